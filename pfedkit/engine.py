@@ -1,0 +1,226 @@
+"""The round loop: sample -> payloads -> client updates -> aggregate -> evaluate -> log/checkpoint.
+
+This is the only place that does those things; algorithms only say what is sent, what a client does and how the
+server folds updates in. Randomness comes from generators keyed by (seed, round, client), so a run resumed from
+a checkpoint continues exactly as the uninterrupted run would.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .algorithms import ALGORITHMS, Algorithm, ClientContext
+from .config import Config, dump_config
+from .data import FederatedData
+from .errors import PfedkitError, UpdateError
+from .models import FlatModel, build_model
+from .sampling import uniform_sample
+from .train import predict_correct, seeded_generator
+
+TIMING_KEYS = ("wall_s", "server_s", "eval_s")  # measure the machine, not the algorithm
+
+
+def tensor_bytes(message: dict[str, Any]) -> int:
+    """Bytes of the tensors in a payload or update (scalars such as sample counts are not counted)."""
+    return sum(v.numel() * v.element_size() for v in message.values() if isinstance(v, torch.Tensor))
+
+
+def check_update(update: dict[str, Any], cid: int, rnd: int) -> None:
+    for key, value in update.items():
+        if isinstance(value, torch.Tensor):
+            if not torch.isfinite(value).all():
+                raise UpdateError(f"round {rnd}: client {cid} sent non-finite values in '{key}' "
+                                  "(diverged training?); lower local.lr")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise UpdateError(f"round {rnd}: client {cid} reported a non-finite '{key}' (diverged training?); "
+                              "lower local.lr")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write then rename, so a crash never leaves a half-written file under `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedData, model: FlatModel) -> dict:
+    """Personalized accuracy of every client on its own test split, and the global model's where one exists."""
+    offsets = torch.as_tensor(data.test_offsets, device=data.device)
+
+    def per_client(correct: torch.Tensor) -> np.ndarray:
+        cum = torch.cat([torch.zeros(1, device=correct.device), correct.double().cumsum(0)])
+        return (cum[offsets[1:]] - cum[offsets[:-1]]).cpu().numpy()
+
+    sizes = data.test_sizes.astype(np.float64)
+    global_vec = algo.global_model(state)
+    global_correct = None
+    if global_vec is not None:
+        model.load(global_vec)
+        global_correct = per_client(predict_correct(model, data.x_test, data.y_test))
+    correct = []
+    for cid in range(data.num_clients):
+        vec = algo.personalized(state, cstates[cid], cid)
+        if vec is global_vec and global_correct is not None:
+            correct.append(torch.tensor(global_correct[cid]))
+            continue
+        model.load(vec)
+        c = data.client(cid)
+        correct.append(predict_correct(model, c.x_test, c.y_test).sum())
+    acc = torch.stack([t.double().cpu() for t in correct]).numpy() / sizes
+    row = {
+        "personalized_acc": float(acc.mean()),
+        "personalized_acc_weighted": float((acc * sizes).sum() / sizes.sum()),
+        "personalized_acc_std": float(acc.std()),
+        "personalized_acc_p10": float(np.percentile(acc, 10)),
+        "global_acc": None if global_correct is None else float((global_correct / sizes).mean()),
+        "global_acc_weighted": None if global_correct is None else float(global_correct.sum() / sizes.sum()),
+    }
+    return {"row": row, "per_client": acc}
+
+
+class Run:
+    """One algorithm on one federated dataset, writing its run folder."""
+
+    def __init__(self, cfg: Config, data: FederatedData, out: Path):
+        self.cfg, self.data, self.out = cfg, data, Path(out)
+        self.device = data.device
+        module = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(self.device)
+        self.model = FlatModel(module)
+        cls = ALGORITHMS[cfg.algorithm]
+        self.algo = cls(cfg.params(cfg.algorithm), self.model, data.num_clients, cfg)
+        self.ckpt_path = self.out / "checkpoint.pt"
+        self.metrics_path = self.out / "metrics.jsonl"
+
+    # -- state --------------------------------------------------------------------------------------------------
+    def _fresh(self) -> None:
+        init = self.model.state()
+        self.state = self.algo.init_server(init)
+        self.cstates = [self.algo.init_client(cid, init) for cid in range(self.data.num_clients)]
+        self.metrics: list[dict] = []
+        self.totals = {"round": 0, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, "server_s": 0.0}
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.out / "config.yaml", dump_config(self.cfg).encode())
+        atomic_write(self.metrics_path, b"")
+        self._write_partition()
+
+    def _resume(self) -> None:
+        ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
+        self.state, self.cstates, self.metrics, self.totals = ck["server"], ck["clients"], ck["metrics"], ck["totals"]
+        torch.set_rng_state(ck["torch_rng"])
+        # the log may hold rows written after the checkpoint: rewrite it from the checkpoint's rows
+        atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.metrics).encode())
+
+    def _checkpoint(self) -> None:
+        buf = io.BytesIO()
+        torch.save({"server": self.state, "clients": self.cstates, "metrics": self.metrics, "totals": self.totals,
+                    "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict()}, buf)
+        atomic_write(self.ckpt_path, buf.getvalue())
+
+    def _write_partition(self) -> None:
+        d = self.data
+        info = {"dataset": d.name, "num_classes": d.num_classes, "train_counts": d.train_counts.tolist(),
+                "test_counts": d.test_counts.tolist(), "label_sets": [s.tolist() for s in d.label_sets]}
+        atomic_write(self.out / "partition.json", json.dumps(info).encode())
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def run(self, resume: bool = False, stop_after: int | None = None) -> dict | None:
+        """Train to `cfg.rounds` and write summary.json; `stop_after` ends early as an interrupted run would."""
+        if resume:
+            if not self.ckpt_path.is_file():
+                raise PfedkitError(f"cannot resume: {self.ckpt_path} does not exist")
+            self._resume()
+        else:
+            self._fresh()
+        cfg, data, algo = self.cfg, self.data, self.algo
+        start = self.totals["round"]
+        bar = tqdm(total=cfg.rounds, initial=start, desc=f"{cfg.algorithm:>10}", disable=not cfg.progress,
+                   unit="round", dynamic_ncols=True, mininterval=0.5)
+        round_bytes = {"up": 0, "down": 0}
+        for rnd in range(start + 1, cfg.rounds + 1):
+            t0 = time.perf_counter()
+            cids = uniform_sample(cfg.seed, rnd, data.num_clients, cfg.clients_per_round)
+            payloads = algo.payloads(self.state, cids, rnd)
+            _sync(self.device)
+            server_s = time.perf_counter() - t0
+            updates, losses = {}, []
+            for cid in cids:
+                ctx = ClientContext(cid, rnd, data.client(cid), self.model, cfg.local,
+                                    seeded_generator(cfg.seed, rnd, cid))
+                update, self.cstates[cid] = algo.client_update(payloads[cid], self.cstates[cid], ctx)
+                check_update(update, cid, rnd)
+                updates[cid] = update
+                if "train_loss" in update:
+                    losses.append((update["train_loss"], update.get("num_samples", 1)))
+            round_bytes["down"] = sum(tensor_bytes(p) for p in payloads.values())
+            round_bytes["up"] = sum(tensor_bytes(u) for u in updates.values())
+            t1 = time.perf_counter()
+            self.state = algo.aggregate(self.state, updates, rnd)
+            _sync(self.device)
+            server_s += time.perf_counter() - t1
+            t = self.totals
+            t["round"], t["bytes_up"], t["bytes_down"] = rnd, t["bytes_up"] + round_bytes["up"], \
+                t["bytes_down"] + round_bytes["down"]
+            t["server_s"] += server_s
+            if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+                te = time.perf_counter()
+                result = evaluate(algo, self.state, self.cstates, data, self.model)
+                _sync(self.device)
+                eval_s = time.perf_counter() - te
+                t["wall_s"] += time.perf_counter() - t0
+                n = sum(w for _, w in losses)
+                row = {"round": rnd, **result["row"],
+                       "train_loss": sum(l * w for l, w in losses) / n if n else None,
+                       "bytes_up": round_bytes["up"], "bytes_down": round_bytes["down"],
+                       "bytes_up_total": t["bytes_up"], "bytes_down_total": t["bytes_down"],
+                       "clients": len(cids), "wall_s": t["wall_s"], "server_s": server_s, "eval_s": eval_s}
+                self.metrics.append(row)
+                self.last_per_client = result["per_client"]
+                with open(self.metrics_path, "a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+                bar.set_postfix(pacc=f"{row['personalized_acc']:.3f}", refresh=False)
+            else:
+                t["wall_s"] += time.perf_counter() - t0
+            bar.update(1)
+            if (cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0) or rnd == cfg.rounds:
+                self._checkpoint()
+            if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
+                bar.close()
+                return None
+        bar.close()
+        if not hasattr(self, "last_per_client"):  # resumed after the last evaluation: evaluate again
+            self.last_per_client = evaluate(algo, self.state, self.cstates, data, self.model)["per_client"]
+        summary = self._summary()
+        atomic_write(self.out / "summary.json", json.dumps(summary, indent=1).encode())
+        return summary
+
+    def _summary(self) -> dict:
+        last = self.metrics[-1]
+        tail = self.metrics[-5:]
+        return {
+            "algorithm": self.cfg.algorithm, "dataset": self.data.name, "rounds": self.cfg.rounds,
+            **{k: v for k, v in last.items() if k not in ("bytes_up", "bytes_down")},
+            "final_last5": float(np.mean([r["personalized_acc"] for r in tail])),
+            "global_acc_last5": (float(np.mean([r["global_acc"] for r in tail]))
+                                 if last["global_acc"] is not None else None),
+            "mb_up_total": self.totals["bytes_up"] / 1e6, "mb_down_total": self.totals["bytes_down"] / 1e6,
+            "server_s_total": self.totals["server_s"],
+            "majority_label_acc": float(self.data.majority_label_accuracy().mean()),
+            "personalized_acc_per_client": [float(a) for a in self.last_per_client],
+        }

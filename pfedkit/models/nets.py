@@ -1,0 +1,86 @@
+"""The papers' models: pFedHN's small CNN (with or without BatchNorm), MLR and a one-hidden-layer DNN.
+
+Each names its last linear layer `head_layers`; everything before it is the body (FedRep, FedTC).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+
+
+class CNN(nn.Module):
+    """pFedHN's CNNTarget (specs §2.1): conv5-16, pool, conv5-32, pool, fc 120, fc 84, fc C; no padding.
+
+    1x28x28 inputs give 32*4*4 = 512 features after the convs, 3x32x32 inputs 32*5*5 = 800. With
+    `batch_norm`, a BatchNorm2d follows each conv (the pFedLA paper's CIFAR models)."""
+
+    head_layers = ("fc3",)
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, batch_norm: bool = False):
+        super().__init__()
+        channels, size = input_shape[0], input_shape[-1]
+        self.conv1 = nn.Conv2d(channels, 16, 5)
+        self.bn1 = nn.BatchNorm2d(16) if batch_norm else nn.Identity()
+        self.conv2 = nn.Conv2d(16, 32, 5)
+        self.bn2 = nn.BatchNorm2d(32) if batch_norm else nn.Identity()
+        side = ((size - 4) // 2 - 4) // 2
+        self.fc1 = nn.Linear(32 * side * side, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
+        x = torch.relu(self.fc1(x.flatten(1)))
+        x = torch.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class MLR(nn.Module):
+    """Multinomial logistic regression (pFedMe's `mclr`): flatten, one linear layer, softmax in the loss."""
+
+    head_layers = ("fc",)
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int):
+        super().__init__()
+        self.fc = nn.Linear(math.prod(input_shape), num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.flatten(1))
+
+
+class DNN(nn.Module):
+    """pFedMe's `dnn`: flatten, Linear(in, hidden), ReLU, Linear(hidden, C)."""
+
+    head_layers = ("fc2",)
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 100):
+        super().__init__()
+        self.fc1 = nn.Linear(math.prod(input_shape), hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
+    """The model with a seeded initialization that leaves the global RNG untouched."""
+    if cfg.name in ("cnn", "cnn_bn"):
+        if len(input_shape) != 3 or input_shape[1:] not in ((28, 28), (32, 32)):
+            raise ConfigError(f"config key 'model.name': '{cfg.name}' needs 28x28 or 32x32 images, the data has "
+                              f"inputs of shape {input_shape}; allowed here: mlr, dnn")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if cfg.name == "cnn":
+            return CNN(input_shape, num_classes)
+        if cfg.name == "cnn_bn":
+            return CNN(input_shape, num_classes, batch_norm=True)
+        if cfg.name == "mlr":
+            return MLR(input_shape, num_classes)
+        return DNN(input_shape, num_classes, cfg.hidden)

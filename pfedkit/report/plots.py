@@ -1,0 +1,95 @@
+"""PNG figures from a run folder's files (metrics.jsonl, partition.json), so `pfedkit plot DIR` can redraw them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _curves(ax_acc, ax_loss, rows: list[dict], label: str, color=None) -> None:
+    rounds = [r["round"] for r in rows]
+    line, = ax_acc.plot(rounds, [r["personalized_acc"] for r in rows], label=f"{label} personalized", color=color)
+    if rows and rows[-1]["global_acc"] is not None:
+        ax_acc.plot(rounds, [r["global_acc"] for r in rows], "--", color=line.get_color(), label=f"{label} global")
+    if ax_loss is not None and any(r["train_loss"] is not None for r in rows):
+        ax_loss.plot(rounds, [r["train_loss"] for r in rows], color=line.get_color(), label=label)
+
+
+def plot_accuracy(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    _curves(ax, ax2, rows, run_dir.name)
+    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)", title="accuracy")
+    ax2.set(xlabel="round", ylabel="train loss", title="local training loss")
+    ax.grid(alpha=0.3)
+    ax2.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = run_dir / "accuracy.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_partition(run_dir: Path) -> Path:
+    """Per-client class histogram of the training data (stacked bars; a heatmap for many clients)."""
+    run_dir = Path(run_dir)
+    info = json.loads((run_dir / "partition.json").read_text())
+    counts = np.asarray(info["train_counts"])
+    n, c = counts.shape
+    fig, ax = plt.subplots(figsize=(min(14, 4 + 0.25 * n), 4))
+    if n <= 60:
+        bottom = np.zeros(n)
+        cmap = plt.get_cmap("tab20" if c > 10 else "tab10")
+        for k in range(c):
+            ax.bar(np.arange(n), counts[:, k], bottom=bottom, color=cmap(k % cmap.N), label=str(k) if c <= 20 else None)
+            bottom += counts[:, k]
+        if c <= 20:
+            ax.legend(title="class", fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
+        ax.set(xlabel="client", ylabel="train samples")
+    else:
+        im = ax.imshow(counts.T, aspect="auto", interpolation="nearest", cmap="viridis")
+        fig.colorbar(im, ax=ax, label="train samples")
+        ax.set(xlabel="client", ylabel="class")
+    ax.set_title(f"{info['dataset']}: classes per client")
+    fig.tight_layout()
+    path = run_dir / "partition.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_comparison(out_dir: Path, run_dirs: list[Path]) -> Path:
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run_dir in run_dirs:
+        _curves(ax, ax2, read_metrics(run_dir), Path(run_dir).name)
+    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)",
+           title="personalized (solid) and global (dashed) accuracy")
+    ax2.set(xlabel="round", ylabel="train loss", title="local training loss")
+    ax2.set_yscale("log")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(out_dir) / "comparison.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    paths = [plot_accuracy(run_dir)]
+    if (Path(run_dir) / "partition.json").is_file():
+        paths.append(plot_partition(run_dir))
+    return paths
