@@ -70,7 +70,7 @@ class ModelConfig:
 
 @dataclass
 class LocalConfig:
-    epochs: int = at_least(0, 2)
+    epochs: int = at_least(0, 1)
     steps: int = at_least(0, 0)  # > 0: this many mini-batch steps instead of `epochs` passes
     batch_size: int = at_least(1, 32)
     lr: float = at_least(0.0, 0.05, open_low=True)
@@ -170,7 +170,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _check_range(value: Any, f: dataclasses.Field, key: str) -> None:
     meta = f.metadata
     if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"config key '{key}': {value!r} is not one of: {', '.join(meta['choices'])}")
+        raise ConfigError(f"config key '{key}': {value!r} is not allowed; allowed: {', '.join(meta['choices'])}")
     if value is None or "min" not in meta:
         return
     low, high = meta["min"], meta.get("max")
@@ -260,7 +260,7 @@ def from_dict(raw: dict) -> Config:
         raise ConfigError(f"config key 'algorithm': empty; allowed: all, or a comma list of {', '.join(ALGORITHMS)}")
     for name in names:
         if name not in ALGORITHMS:
-            raise ConfigError(f"config key 'algorithm': {name!r} is not one of: all, {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"config key 'algorithm': {name!r} is not allowed; allowed: all, {', '.join(ALGORITHMS)}")
     validate(cfg)
     return cfg
 

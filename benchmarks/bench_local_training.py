@@ -1,0 +1,100 @@
+"""Engine overhead: FedAvg through pfedkit's engine vs a bare PyTorch FedAvg loop doing the same steps.
+
+Both run the same model, the same initial weights, the same clients and the same seeded mini-batches; the bare
+loop uses an ordinary nn.Module, torch.optim.SGD and state_dict averaging. Runs alternate (bare, engine, ...) and
+the best of each is kept, so machine noise hits both alike. Prints client-steps/s and the ratio
+engine / bare (target >= 0.9 for the CNN on mnist5k).
+
+    python benchmarks/bench_local_training.py [--rounds 4] [--repeats 3] [--models cnn,mlr,dnn]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pfedkit.config import load_config
+from pfedkit.engine import Run
+from pfedkit.experiment import prepare
+from pfedkit.models import build_model
+from pfedkit.sampling import uniform_sample
+from pfedkit.train import seeded_generator
+
+SETTINGS = {
+    "cnn": ["dataset.name=mnist5k", "model.name=cnn", "partition.num_clients=10", "local.batch_size=32"],
+    "mlr": ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=20", "model.name=mlr",
+            "local.batch_size=20"],
+    "dnn": ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=20", "model.name=dnn",
+            "model.hidden=20", "local.batch_size=20"],
+}
+
+
+def bare_fedavg(cfg, data) -> tuple[float, int]:
+    """Plain PyTorch FedAvg: load the global state dict, SGD over the seeded batches, average state dicts."""
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    global_state = copy.deepcopy(net.state_dict())
+    steps = 0
+    t0 = time.perf_counter()
+    for rnd in range(1, cfg.rounds + 1):
+        states, sizes = [], []
+        for cid in uniform_sample(cfg.seed, rnd, data.num_clients, cfg.clients_per_round):
+            client = data.client(cid)
+            net.load_state_dict(global_state)
+            opt = torch.optim.SGD(net.parameters(), lr=cfg.local.lr)
+            gen = seeded_generator(cfg.seed, rnd, cid)
+            net.train()
+            for _ in range(cfg.local.epochs):
+                perm = torch.randperm(client.num_train, generator=gen)
+                for start in range(0, client.num_train, cfg.local.batch_size):
+                    idx = perm[start: start + cfg.local.batch_size]
+                    opt.zero_grad()
+                    F.cross_entropy(net(client.x_train[idx]), client.y_train[idx]).backward()
+                    opt.step()
+                    steps += 1
+            states.append({k: v.clone() for k, v in net.state_dict().items()})
+            sizes.append(client.num_train)
+        total = sum(sizes)
+        global_state = {k: sum(s[k].float() * (n / total) for s, n in zip(states, sizes)).to(states[0][k].dtype)
+                        for k in states[0]}
+    return time.perf_counter() - t0, steps
+
+
+def engine_fedavg(cfg, data) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        run = Run(cfg.for_algorithm("fedavg"), data, out)
+        run.run()
+        row = run.metrics[-1]
+        return row["wall_s"] - row["eval_s"]  # the final evaluation is not training
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default="cnn,mlr,dnn")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
+    print(f"{'model':>5} {'steps':>7} {'bare steps/s':>13} {'engine steps/s':>15} {'ratio':>7}")
+    for name in args.models.split(","):
+        cfg = load_config(None, SETTINGS[name] + [
+            f"rounds={args.rounds}", f"local.epochs={args.epochs}", "progress=false", "plots=false",
+            f"eval_every={args.rounds}", "checkpoint_every=0", f"device={args.device}"], "fedavg")
+        data = prepare(cfg)
+        bare_best, engine_best, steps = float("inf"), float("inf"), 0
+        bare_fedavg(cfg, data)  # warm-up (allocator, kernels)
+        for _ in range(args.repeats):
+            t, steps = bare_fedavg(cfg, data)
+            bare_best = min(bare_best, t)
+            engine_best = min(engine_best, engine_fedavg(cfg, data))
+        print(f"{name:>5} {steps:>7} {steps / bare_best:>13.0f} {steps / engine_best:>15.0f} "
+              f"{bare_best / engine_best:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The round loop: FedAvg against plain SGD, bytes on the wire, determinism, checkpoint/resume, update checks."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pfedkit.config import load_config
+from pfedkit.engine import TIMING_KEYS, Run
+from pfedkit.errors import UpdateError
+from pfedkit.experiment import prepare, run_experiment
+from pfedkit.models import build_model
+from pfedkit.train import seeded_generator
+
+
+def small_cfg(*extra: str, algorithms: str = "local,fedavg"):
+    base = ["dataset.name=digits", "model.name=dnn", "model.hidden=32", "partition.num_clients=6",
+            "partition.classes_per_client=3", "rounds=6", "local.epochs=1", "local.batch_size=16",
+            "local.lr=0.1", "progress=false", "plots=false", "checkpoint_every=2"]
+    return load_config(None, base + list(extra), algorithms)
+
+
+def metric_rows(path, drop_timing=True):
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not (drop_timing and k in TIMING_KEYS)} for r in rows]
+
+
+def test_fedavg_with_one_client_equals_plain_sgd(tmp_path):
+    cfg = small_cfg("partition.scheme=iid", "partition.num_clients=1", "rounds=3", "local.epochs=2",
+                    "model.name=cnn_bn", "dataset.name=mnist5k", "partition.samples_per_client=300",
+                    algorithms="fedavg")
+    data = prepare(cfg)
+    run = Run(cfg.for_algorithm("fedavg"), data, tmp_path)
+    run.run()
+
+    # Plain PyTorch: the same initial model, torch.optim.SGD, the same seeded batch order, no federation.
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    opt = torch.optim.SGD(net.parameters(), lr=cfg.local.lr)
+    client = data.client(0)
+    for rnd in range(1, cfg.rounds + 1):
+        gen = seeded_generator(cfg.seed, rnd, 0)
+        for _ in range(cfg.local.epochs):
+            perm = torch.randperm(client.num_train, generator=gen)
+            for start in range(0, client.num_train, cfg.local.batch_size):
+                idx = perm[start: start + cfg.local.batch_size]
+                opt.zero_grad()
+                F.cross_entropy(net(client.x_train[idx]), client.y_train[idx]).backward()
+                opt.step()
+    # the server state holds parameters then BN running statistics, in module order
+    expected = torch.cat([p.detach().flatten() for p in net.parameters()]
+                         + [b.flatten() for n, b in net.named_buffers() if "num_batches" not in n])
+    assert torch.allclose(run.state["weights"], expected, atol=1e-6)
+    net.eval()
+    with torch.no_grad():
+        acc = (net(client.x_test).argmax(1) == client.y_test).float().mean().item()
+    assert metric_rows(tmp_path)[-1]["global_acc"] == pytest.approx(acc)
+
+
+def test_bytes_are_the_tensor_sizes_sent(tmp_path):
+    cfg = small_cfg("clients_per_round=4", "rounds=3")
+    data = prepare(cfg)
+    run_experiment(cfg, tmp_path, data=data, log=lambda s: None)
+    num_params = sum(p.numel() for p in build_model(cfg.model, data.input_shape, 10, 0).parameters())
+    for row in metric_rows(tmp_path / "fedavg"):
+        assert row["bytes_down"] == row["bytes_up"] == 4 * num_params * 4  # 4 clients x float32 vector
+    rows = metric_rows(tmp_path / "fedavg")
+    assert rows[-1]["bytes_up_total"] == sum(r["bytes_up"] for r in rows)
+    assert all(r["bytes_up"] == r["bytes_down"] == 0 for r in metric_rows(tmp_path / "local"))
+    summary = json.loads((tmp_path / "fedavg" / "summary.json").read_text())
+    assert summary["mb_down_total"] == pytest.approx(3 * 4 * num_params * 4 / 1e6)
+
+
+def test_same_config_and_seed_give_identical_metrics(tmp_path):
+    cfg = small_cfg("clients_per_round=3")
+    run_experiment(cfg, tmp_path / "a", log=lambda s: None)
+    run_experiment(cfg, tmp_path / "b", log=lambda s: None)
+    for name in ("local", "fedavg"):
+        assert metric_rows(tmp_path / "a" / name) == metric_rows(tmp_path / "b" / name)
+    other = small_cfg("clients_per_round=3", "seed=1")
+    run_experiment(other, tmp_path / "c", log=lambda s: None)
+    assert metric_rows(tmp_path / "a" / "fedavg") != metric_rows(tmp_path / "c" / "fedavg")
+
+
+def test_every_algorithm_sees_the_same_clients_each_round(tmp_path):
+    from pfedkit.sampling import uniform_sample
+    streams = [[uniform_sample(3, r, 20, 5) for r in range(1, 30)] for _ in range(2)]
+    assert streams[0] == streams[1]
+    assert len({tuple(s) for s in streams[0]}) > 20  # and it does vary over rounds
+    assert all(len(set(s)) == 5 for s in streams[0])
+
+
+def test_resumed_run_equals_uninterrupted(tmp_path):
+    cfg = small_cfg("clients_per_round=3", "rounds=7", "checkpoint_every=3")
+    run_experiment(cfg, tmp_path / "full", log=lambda s: None)
+    # interrupted after round 4: the last checkpoint is from round 3, metrics.jsonl already holds round 4
+    run_experiment(cfg, tmp_path / "cut", log=lambda s: None, stop_after=4)
+    assert len(metric_rows(tmp_path / "cut" / "local")) == 4
+    from pfedkit.experiment import resume_experiment
+    resume_experiment(tmp_path / "cut", log=lambda s: None)
+    for name in ("local", "fedavg"):
+        assert metric_rows(tmp_path / "cut" / name) == metric_rows(tmp_path / "full" / name)
+        a = torch.load(tmp_path / "cut" / name / "checkpoint.pt", weights_only=False)
+        b = torch.load(tmp_path / "full" / name / "checkpoint.pt", weights_only=False)
+        assert all(torch.equal(x["weights"], y["weights"]) for x, y in zip(a["clients"], b["clients"])
+                   if "weights" in x)
+    assert (tmp_path / "cut" / "comparison.md").is_file()
+
+
+def test_non_finite_update_is_rejected_with_client_and_round(tmp_path):
+    cfg = small_cfg("local.lr=1e30", algorithms="fedavg")
+    with pytest.raises(UpdateError, match=r"round 1: client \d+ .*non-finite.*local.lr"):
+        Run(cfg.for_algorithm("fedavg"), prepare(cfg), tmp_path).run()
+
+
+def test_local_never_communicates_and_keeps_its_own_model(tmp_path):
+    cfg = small_cfg(algorithms="local")
+    run = Run(cfg.for_algorithm("local"), prepare(cfg), tmp_path)
+    run.run()
+    vectors = [c["weights"] for c in run.cstates]
+    assert not torch.equal(vectors[0], vectors[1])  # each client trained its own model
+    assert run.state == {}
+
+
+def test_metrics_rows_hold_the_contract_keys(tmp_path):
+    cfg = small_cfg("eval_every=4", "rounds=6", algorithms="fedavg")
+    Run(cfg.for_algorithm("fedavg"), prepare(cfg), tmp_path).run()
+    rows = metric_rows(tmp_path, drop_timing=False)
+    assert [r["round"] for r in rows] == [4, 6]  # every eval_every rounds and at the end
+    keys = {"round", "personalized_acc", "personalized_acc_weighted", "personalized_acc_std",
+            "personalized_acc_p10", "global_acc", "train_loss", "bytes_up", "bytes_down", "bytes_up_total",
+            "bytes_down_total", "wall_s", "server_s"}
+    assert keys <= set(rows[0])
+    for r in rows:
+        assert 0 <= r["personalized_acc"] <= 1 and 0 <= r["global_acc"] <= 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_last5"] == pytest.approx(np.mean([r["personalized_acc"] for r in rows]))
+    assert summary["personalized_acc"] == rows[-1]["personalized_acc"]
+    per_client = np.array(summary["personalized_acc_per_client"])
+    assert per_client.mean() == pytest.approx(rows[-1]["personalized_acc"])

@@ -1,0 +1,54 @@
+"""Models and their flat-vector view: named layers, body/head, BN buffers, in-place gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pfedkit.config import ModelConfig
+from pfedkit.errors import ConfigError
+from pfedkit.models import FlatModel, build_model
+
+
+@pytest.mark.parametrize("shape, features", [((1, 28, 28), 512), ((3, 32, 32), 800)])
+def test_pfedhn_cnn_shapes(shape, features):
+    net = build_model(ModelConfig("cnn"), shape, 10, 0)
+    assert net.fc1.in_features == features
+    assert net(torch.zeros(2, *shape)).shape == (2, 10)
+
+
+def test_layers_are_parameterized_modules_with_bn_buffers_marked():
+    fm = FlatModel(build_model(ModelConfig("cnn_bn"), (3, 32, 32), 100, 0))
+    assert [l.name for l in fm.layers] == ["conv1", "bn1", "conv2", "bn2", "fc1", "fc2", "fc3"]
+    assert sum(l.num_params for l in fm.layers) == fm.param_size
+    assert [l.name for l in fm.layers if l.buffers is not None] == ["bn1", "bn2"]
+    assert fm.size - fm.param_size == 2 * (16 + 32)  # running mean and var, nothing else
+    assert [l.name for l in fm.head_layers] == ["fc3"]
+    assert fm.mask(fm.head_layers).sum() == 84 * 100 + 100
+
+
+def test_parameters_and_gradients_live_in_the_flat_vectors():
+    fm = FlatModel(build_model(ModelConfig("cnn_bn"), (1, 28, 28), 10, 0))
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    F.cross_entropy(fm.module(x), y).backward()
+    F.cross_entropy(fm.module(x), y).backward()  # accumulates into the same flat gradient
+    for _, p in fm.module.named_parameters():
+        assert p.grad.untyped_storage().data_ptr() == fm.grad.untyped_storage().data_ptr()
+    fm.vector.zero_()
+    assert all((p == 0).all() for p in fm.module.parameters())
+    assert (fm.module.bn1.running_var == 0).all()  # buffers too
+
+
+def test_same_seed_same_init_and_global_rng_untouched():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 5)).state()
+    after = torch.rand(1)
+    b = FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 5)).state()
+    assert torch.equal(a, b) and torch.equal(before, after)
+
+
+def test_cnn_on_8x8_digits_is_a_clear_config_error():
+    with pytest.raises(ConfigError, match="model.name.*mlr, dnn"):
+        build_model(ModelConfig("cnn"), (1, 8, 8), 10, 0)
