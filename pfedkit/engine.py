@@ -10,7 +10,9 @@ import io
 import json
 import math
 import os
+import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from .sampling import uniform_sample
 from .train import predict_correct, seeded_generator
 
 TIMING_KEYS = ("wall_s", "server_s", "eval_s")  # measure the machine, not the algorithm
+EVAL_CHUNK = 256  # clients whose personalized vectors are built at once during evaluation
 
 
 def tensor_bytes(message: dict[str, Any]) -> int:
@@ -75,14 +78,15 @@ def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedD
         model.load(global_vec)
         global_correct = per_client(predict_correct(model, data.x_test, data.y_test))
     correct = []
-    for cid in range(data.num_clients):
-        vec = algo.personalized(state, cstates[cid], cid)
-        if vec is global_vec and global_correct is not None:
-            correct.append(torch.tensor(global_correct[cid]))
-            continue
-        model.load(vec)
-        c = data.client(cid)
-        correct.append(predict_correct(model, c.x_test, c.y_test).sum())
+    for first in range(0, data.num_clients, EVAL_CHUNK):
+        cids = list(range(first, min(first + EVAL_CHUNK, data.num_clients)))
+        for cid, vec in zip(cids, algo.personalized_many(state, cstates, cids)):
+            if vec is global_vec and global_correct is not None:
+                correct.append(torch.tensor(global_correct[cid]))
+                continue
+            model.load(vec)
+            c = data.client(cid)
+            correct.append(predict_correct(model, c.x_test, c.y_test).sum())
     acc = torch.stack([t.double().cpu() for t in correct]).numpy() / sizes
     row = {
         "personalized_acc": float(acc.mean()),
@@ -93,6 +97,47 @@ def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedD
         "global_acc_weighted": None if global_correct is None else float(global_correct.sum() / sizes.sum()),
     }
     return {"row": row, "per_client": acc}
+
+
+class ObservableLog:
+    """Arrays an algorithm exposes at each evaluation (pFedLA's aggregation weights). During the run each is one
+    atomically written `observables/<name>/r<round>.npy`; at the end they are packed into `<name>.npz`, keyed
+    `r<round>` (e.g. `np.load("alpha.npz")["r00040"]`). A resumed run drops the files written after its checkpoint.
+    """
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.dir = out / "observables"
+
+    def write(self, rnd: int, arrays: dict[str, Any]) -> None:
+        for name, array in arrays.items():
+            folder = self.dir / name
+            folder.mkdir(parents=True, exist_ok=True)
+            buf = io.BytesIO()
+            np.save(buf, np.asarray(array), allow_pickle=False)
+            atomic_write(folder / f"r{rnd:05d}.npy", buf.getvalue())
+
+    def truncate(self, last_round: int) -> None:
+        for f in self.dir.glob("*/r*.npy"):
+            if int(f.stem[1:]) > last_round:
+                f.unlink()
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for stale in self.out.glob("*.npz"):  # packed logs of an earlier run in this folder
+            stale.unlink()
+
+    def pack(self) -> None:
+        if not self.dir.is_dir():
+            return
+        for folder in sorted(p for p in self.dir.iterdir() if p.is_dir()):
+            target = self.out / f"{folder.name}.npz"
+            tmp = target.with_name(target.name + ".tmp")
+            with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for f in sorted(folder.glob("r*.npy")):
+                    zf.write(f, arcname=f.name)
+            os.replace(tmp, target)
+        shutil.rmtree(self.dir)
 
 
 class Run:
@@ -107,6 +152,7 @@ class Run:
         self.algo = cls(cfg.params(cfg.algorithm), self.model, data.num_clients, cfg)
         self.ckpt_path = self.out / "checkpoint.pt"
         self.metrics_path = self.out / "metrics.jsonl"
+        self.observed = ObservableLog(self.out)
 
     # -- state --------------------------------------------------------------------------------------------------
     def _fresh(self) -> None:
@@ -118,6 +164,7 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write(self.out / "config.yaml", dump_config(self.cfg).encode())
         atomic_write(self.metrics_path, b"")
+        self.observed.clear()
         self._write_partition()
 
     def _resume(self) -> None:
@@ -126,6 +173,7 @@ class Run:
         torch.set_rng_state(ck["torch_rng"])
         # the log may hold rows written after the checkpoint: rewrite it from the checkpoint's rows
         atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.metrics).encode())
+        self.observed.truncate(self.totals["round"])
 
     def _checkpoint(self) -> None:
         buf = io.BytesIO()
@@ -152,28 +200,32 @@ class Run:
         start = self.totals["round"]
         bar = tqdm(total=cfg.rounds, initial=start, desc=f"{cfg.algorithm:>10}", disable=not cfg.progress,
                    unit="round", dynamic_ncols=True, mininterval=0.5)
-        round_bytes = {"up": 0, "down": 0}
         for rnd in range(start + 1, cfg.rounds + 1):
             t0 = time.perf_counter()
             cids = uniform_sample(cfg.seed, rnd, data.num_clients, cfg.clients_per_round)
-            payloads = algo.payloads(self.state, cids, rnd)
-            _sync(self.device)
-            server_s = time.perf_counter() - t0
-            updates, losses = {}, []
-            for cid in cids:
-                ctx = ClientContext(cid, rnd, data.client(cid), self.model, cfg.local,
-                                    seeded_generator(cfg.seed, rnd, cid))
-                update, self.cstates[cid] = algo.client_update(payloads[cid], self.cstates[cid], ctx)
-                check_update(update, cid, rnd)
-                updates[cid] = update
-                if "train_loss" in update:
-                    losses.append((update["train_loss"], update.get("num_samples", 1)))
-            round_bytes["down"] = sum(tensor_bytes(p) for p in payloads.values())
-            round_bytes["up"] = sum(tensor_bytes(u) for u in updates.values())
-            t1 = time.perf_counter()
-            self.state = algo.aggregate(self.state, updates, rnd)
-            _sync(self.device)
-            server_s += time.perf_counter() - t1
+            server_s, losses = 0.0, []
+            round_bytes = {"up": 0, "down": 0}
+            # synchronous: every client starts from the same server state; sequential: one client at a time
+            for group in ([[c] for c in cids] if algo.sequential else [cids]):
+                ts = time.perf_counter()
+                payloads = algo.payloads(self.state, group, rnd)
+                _sync(self.device)
+                server_s += time.perf_counter() - ts
+                updates = {}
+                for cid in group:
+                    ctx = ClientContext(cid, rnd, data.client(cid), self.model, cfg.local,
+                                        seeded_generator(cfg.seed, rnd, cid))
+                    update, self.cstates[cid] = algo.client_update(payloads[cid], self.cstates[cid], ctx)
+                    check_update(update, cid, rnd)
+                    updates[cid] = update
+                    if "train_loss" in update:
+                        losses.append((update["train_loss"], update.get("num_samples", 1)))
+                round_bytes["down"] += sum(tensor_bytes(p) for p in payloads.values())
+                round_bytes["up"] += sum(tensor_bytes(u) for u in updates.values())
+                ts = time.perf_counter()
+                self.state = algo.aggregate(self.state, updates, rnd)
+                _sync(self.device)
+                server_s += time.perf_counter() - ts
             t = self.totals
             t["round"], t["bytes_up"], t["bytes_down"] = rnd, t["bytes_up"] + round_bytes["up"], \
                 t["bytes_down"] + round_bytes["down"]
@@ -192,6 +244,7 @@ class Run:
                        "clients": len(cids), "wall_s": t["wall_s"], "server_s": server_s, "eval_s": eval_s}
                 self.metrics.append(row)
                 self.last_per_client = result["per_client"]
+                self.observed.write(rnd, algo.observables(self.state))
                 with open(self.metrics_path, "a") as fh:
                     fh.write(json.dumps(row) + "\n")
                 bar.set_postfix(pacc=f"{row['personalized_acc']:.3f}", refresh=False)
@@ -207,6 +260,7 @@ class Run:
         if not hasattr(self, "last_per_client"):  # resumed after the last evaluation: evaluate again
             self.last_per_client = evaluate(algo, self.state, self.cstates, data, self.model)["per_client"]
         summary = self._summary()
+        self.observed.pack()
         atomic_write(self.out / "summary.json", json.dumps(summary, indent=1).encode())
         return summary
 

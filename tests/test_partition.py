@@ -211,9 +211,6 @@ def test_classes_samples_per_client_caps_each_slot_at_cap_over_k(cap, k):
     assert max(sizes) <= cap
 
 
-@pytest.mark.xfail(reason="BUG: partition.assign passes samples_per_client // k as the cap to _equal_slots; when "
-                          "samples_per_client < classes_per_client that is 0, which _equal_slots reads as 'no cap', "
-                          "so every client silently gets its full share", strict=True)
 def test_classes_samples_per_client_below_k_is_refused_or_honoured():
     y = shuffled_labels()
     cfg = PartitionConfig(scheme="classes", num_clients=10, classes_per_client=4, samples_per_client=2)
@@ -330,10 +327,6 @@ def test_powerlaw_labels_larger_sigma_gives_more_unequal_sizes():
     assert spread(0.0) < 0.1 < spread(2.0)
 
 
-@pytest.mark.xfail(reason="BUG: with samples_per_client set, assign() applies _cap (a random subset per client) "
-                          "to powerlaw_labels, dropping labels below min_per_label (often to 0) even though the cap "
-                          "leaves room for min_per_label of each of the k labels; label_sets then lists labels the "
-                          "client no longer holds", strict=True)
 def test_powerlaw_labels_cap_keeps_min_per_label_of_each_label():
     y = shuffled_labels(per_class=500)
     cfg = PartitionConfig(scheme="powerlaw_labels", num_clients=50, classes_per_client=2, min_per_label=5,
@@ -414,9 +407,6 @@ def test_too_many_clients_for_the_data_is_a_data_error(scheme, num_clients, extr
         make_partition(y, 10, cfg, 0)
 
 
-@pytest.mark.xfail(reason="BUG: _dominant calls split_counts on an all-zero 'want' column (size = len(y) // n is 0), "
-                          "which divides 0 by 0 and crashes with ValueError from np.repeat instead of DataError",
-                   strict=True)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0/0 inside split_counts
 def test_dominant_with_more_clients_than_samples_is_a_data_error():
     y = shuffled_labels(per_class=60)
@@ -424,9 +414,6 @@ def test_dominant_with_more_clients_than_samples_is_a_data_error():
         make_partition(y, 10, PartitionConfig(scheme="dominant", num_clients=2000), 0)
 
 
-@pytest.mark.xfail(reason="BUG: with dominant_fraction=1.0 and num_clients * dominant_classes < num_classes some "
-                          "class is wanted by nobody; _dominant passes its all-zero column to split_counts (0/0) "
-                          "and crashes with ValueError", strict=True)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0/0 inside split_counts
 def test_dominant_fraction_one_gives_each_client_only_its_dominant_classes():
     y = shuffled_labels()

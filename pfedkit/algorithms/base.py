@@ -47,6 +47,9 @@ class Algorithm:
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams
     has_global_model: ClassVar[bool] = True
+    # True: the round's clients are served one after another (payload, training, aggregation per client), so a
+    # later client already sees the earlier ones' updates (the pFedLA reference code's order).
+    sequential: bool = False
 
     def __init__(self, params: Any, model: FlatModel, num_clients: int, cfg: Config):
         self.params = params
@@ -81,6 +84,14 @@ class Algorithm:
     def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
         """The vector client `cid` is evaluated with."""
         return state["weights"]
+
+    def personalized_many(self, state: State, cstates: list[State], cids: list[int]) -> list[torch.Tensor]:
+        """The vectors of several clients at once (override to batch the server math)."""
+        return [self.personalized(state, cstates[cid], cid) for cid in cids]
+
+    def observables(self, state: State) -> dict[str, Any]:
+        """Arrays to log at each evaluation (e.g. pFedLA's aggregation weights); {} for none."""
+        return {}
 
 
 def weighted_average(updates: dict[int, Message], key: str = "weights") -> torch.Tensor:

@@ -41,6 +41,8 @@ class Partition:
 def split_counts(total: int, weights: np.ndarray) -> np.ndarray:
     """Integers proportional to `weights` that sum exactly to `total` (largest remainder)."""
     weights = np.asarray(weights, dtype=np.float64)
+    if total <= 0 or weights.sum() <= 0:
+        return np.zeros(len(weights), dtype=np.int64)
     exact = weights / weights.sum() * total
     counts = np.floor(exact).astype(np.int64)
     short = total - counts.sum()
@@ -113,20 +115,30 @@ def _dirichlet(y, num_classes, n, alpha, rng):
                     "samples after 100 draws; raise partition.dirichlet_alpha or lower partition.num_clients")
 
 
-def _powerlaw_labels(y, num_classes, n, k, sigma, minimum, rng):
+def _powerlaw_labels(y, num_classes, n, k, sigma, minimum, cap, rng):
+    if cap and cap < k * minimum:
+        raise ConfigError(f"config key 'partition.samples_per_client': {cap} leaves no room for min_per_label="
+                          f"{minimum} of each of {k} labels; allowed: 0 or >= {k * minimum}")
     sets = (np.arange(n)[:, None] + np.arange(k)[None, :]) % num_classes
-    owner = np.full(len(y), -1, dtype=np.int64)
-    for c, pool in enumerate(_class_pools(y, num_classes, rng)):
+    pools = _class_pools(y, num_classes, rng)
+    extra = np.zeros((n, num_classes), dtype=np.int64)  # samples beyond the minimum, per (client, label)
+    for c, pool in enumerate(pools):
         holders = np.flatnonzero((sets == c).any(axis=1))
-        if len(holders) == 0:
-            continue
         rest = len(pool) - minimum * len(holders)
         if rest < 0:
             raise DataError(f"partition 'powerlaw_labels': class {c} has {len(pool)} samples, fewer than "
                             f"min_per_label={minimum} for each of its {len(holders)} clients; "
                             "lower partition.min_per_label or partition.num_clients")
-        counts = minimum + split_counts(rest, rng.lognormal(0.0, sigma, len(holders)))
-        _fill(owner, pool, holders, counts)
+        if len(holders):
+            extra[holders, c] = split_counts(rest, rng.lognormal(0.0, sigma, len(holders)))
+    if cap:  # shrink only the power-law part, so every label keeps its minimum
+        room = cap - k * minimum
+        for i in np.flatnonzero(extra.sum(axis=1) > room):
+            extra[i] = split_counts(room, extra[i])
+    owner = np.full(len(y), -1, dtype=np.int64)
+    for c, pool in enumerate(pools):
+        holders = np.flatnonzero((sets == c).any(axis=1))
+        _fill(owner, pool, holders, minimum + extra[holders, c])
     return owner, sets
 
 
@@ -137,6 +149,9 @@ def assign(y: np.ndarray, num_classes: int, cfg: PartitionConfig, rng: np.random
     if scheme in ("classes", "chain", "powerlaw_labels") and k > num_classes:
         raise ConfigError(f"config key 'partition.classes_per_client': {k} is more than the dataset's "
                           f"{num_classes} classes; allowed: 1 to {num_classes}")
+    if scheme in ("classes", "chain") and 0 < cfg.samples_per_client < k:
+        raise ConfigError(f"config key 'partition.samples_per_client': {cfg.samples_per_client} is less than "
+                          f"classes_per_client={k}; allowed: 0 (no cap) or >= {k}")
     if scheme == "classes":
         sets = _balanced_class_sets(n, num_classes, k, rng)
         owner = _equal_slots(y, num_classes, sets, cfg.samples_per_client // k, rng)
@@ -150,7 +165,8 @@ def assign(y: np.ndarray, num_classes: int, cfg: PartitionConfig, rng: np.random
     elif scheme == "dirichlet":
         owner, sets = _dirichlet(y, num_classes, n, cfg.dirichlet_alpha, rng), None
     elif scheme == "powerlaw_labels":
-        owner, sets = _powerlaw_labels(y, num_classes, n, k, cfg.powerlaw_sigma, cfg.min_per_label, rng)
+        owner, sets = _powerlaw_labels(y, num_classes, n, k, cfg.powerlaw_sigma, cfg.min_per_label,
+                                       cfg.samples_per_client, rng)
     elif scheme == "iid":
         size = cfg.samples_per_client or len(y) // n
         if size * n > len(y):
@@ -167,7 +183,7 @@ def assign(y: np.ndarray, num_classes: int, cfg: PartitionConfig, rng: np.random
         owner, sets = groups.astype(np.int64).copy(), None
     else:  # guarded by config validation
         raise ConfigError(f"config key 'partition.scheme': unknown scheme {scheme!r}")
-    if cfg.samples_per_client and scheme in ("dirichlet", "powerlaw_labels", "natural"):
+    if cfg.samples_per_client and scheme in ("dirichlet", "natural"):
         owner = _cap(owner, n, cfg.samples_per_client, rng)
     if sets is None:  # label set = the classes the client actually holds
         held = np.zeros((n, num_classes), dtype=bool)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,11 +63,16 @@ def standardize(images: np.ndarray, scale: float) -> np.ndarray:
 
 def read_idx(path: Path) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        raw = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            raw = fh.read()
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path} is unreadable or truncated ({exc.__class__.__name__}); download it again") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise DataError(f"{path} is not an IDX file of unsigned bytes (bad magic number)")
     ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise DataError(f"{path}: truncated inside its header; download it again")
     dims = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
     body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
@@ -159,13 +165,16 @@ def _cifar(name: str, cfg: DatasetConfig, folder: str, files: list[str], label_k
         if not path.is_file():
             raise DataError(f"dataset '{name}': {path} not found; {how}")
         batch = _unpickle(path)
-        if b"data" not in batch or label_key not in batch:
+        if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
             raise DataError(f"dataset '{name}': {path} lacks the 'data' or '{label_key.decode()}' entry")
         data = np.asarray(batch[b"data"], dtype=np.uint8)
         if data.ndim != 2 or data.shape[1] != 3072:
             raise DataError(f"dataset '{name}': {path} holds data of shape {data.shape}, expected (N, 3072)")
+        labels = np.asarray(batch[label_key], dtype=np.int64)
+        if len(labels) != len(data):
+            raise DataError(f"dataset '{name}': {path} holds {len(data)} images but {len(labels)} labels")
         xs.append(data.reshape(-1, 3, 32, 32))
-        ys.append(np.asarray(batch[label_key], dtype=np.int64))
+        ys.append(labels)
     return Source(name, standardize(np.concatenate(xs), 255.0), np.concatenate(ys), classes)
 
 
@@ -209,8 +218,10 @@ def synthetic(alpha: float, beta: float, num_users: int, features: int = 60, cla
               size_factor: int = 5, seed: int = 0) -> Source:
     """FedProx's Synthetic(alpha, beta) (specs §3.4): each user has its own softmax model and input mean.
 
-    alpha controls how much the users' models differ, beta how much their inputs differ. Sizes follow pFedMe's
-    100-user generator: (lognormal(4, 2) + 50) * size_factor. Seeded; `groups` gives each sample's user.
+    beta spreads the users' input means. alpha spreads the means of the users' model weights, but, as in FedProx's
+    generator that this follows, that mean shifts every class score of a user by the same amount, so it does not
+    change any label: the users' models differ through their N(., 1) draws whatever alpha is. Sizes follow
+    pFedMe's 100-user generator: (lognormal(4, 2) + 50) * size_factor. Seeded; `groups` gives each sample's user.
     """
     rng = np.random.default_rng(seed)
     sizes = (rng.lognormal(4, 2, num_users).astype(np.int64) + 50) * size_factor

@@ -1,0 +1,208 @@
+"""pFedLA and HeurpFedLA (Ma et al., "Layer-wised Model Aggregation for Personalized Federated Learning",
+CVPR 2022; specs §1).
+
+The server keeps every client's latest vector (Theta, N x D) and one hypernetwork per client:
+embedding v_i (dim 100) -> 3 x (Linear 100, ReLU) -> one head per layer with N outputs (weights U(0,1), bias 0)
+-> ReLU -> divided by the sum over clients (one-hot self if the sum is 0). Client i's personalized layer l is
+sum_j alpha_i[l, j] theta_j[l]: for all sampled clients at once, one matrix product per layer. After local SGD the
+sampled clients' hypernetworks take one SGD step on the vector-Jacobian product with
+delta = theta_sent - theta_trained (the pFedHN convention, descent on the client loss; specs §1.6 — the unofficial
+reference code uses new - old, an ascent: `delta_sign: new_minus_old` reproduces it). The gradient with respect
+to alpha_l is Delta_l Theta_l^T, so autograd only runs through the small hypernetworks, never the N x P mixture.
+
+The hypernetworks are stored stacked (a leading client axis); a round gathers the sampled clients' rows, runs
+them as one batch, and writes the updated rows back, so every client's optimizer state stays its own.
+
+HeurpFedLA (k > 0): per client, the k layers with the highest self-weight are kept local: not aggregated, not
+sent down (the client fills them from its own copy), and their heads get no gradient. BatchNorm running
+statistics are never aggregated: each client keeps its own.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import at_least, choices
+from ..models import FlatModel
+from .base import Algorithm, ClientContext, Message, State
+
+HN_KEYS = ("emb", "w1", "b1", "w2", "b2", "w3", "b3", "head_w", "head_b")
+
+
+@dataclass
+class PFedLAParams:
+    hn_lr: float = at_least(0.0, 5e-3, open_low=True)
+    hn_momentum: float = at_least(0.0, 0.0, high=1.0)
+    embedding_dim: int = at_least(1, 100)
+    hidden_dim: int = at_least(1, 100)
+    k: int = at_least(0, 0)  # HeurpFedLA: layers each client keeps local
+    selfweight: str = choices("normalized", "raw", default="normalized")  # ranking of the k kept layers
+    delta_sign: str = choices("old_minus_new", "new_minus_old", default="old_minus_new")
+    sequential: bool = False  # the reference code's one-client-at-a-time round
+    granularity: str = choices("module", "block", "tensor", default="module")
+    save_alpha: bool = True  # log every client's weights at each evaluation (alpha.npz)
+
+
+@dataclass
+class HeurPFedLAParams(PFedLAParams):
+    k: int = at_least(0, 1)
+
+
+def layer_groups(model: FlatModel, granularity: str) -> list[tuple[str, slice]]:
+    """The units that get one hypernetwork head each: a parameterized module (weight and bias together), a block
+    (a conv/linear layer with the normalization layer after it), or every parameter tensor."""
+    if granularity == "tensor":
+        return [(name, s) for name, s, _ in model.names if s.stop <= model.param_size]
+    groups: list[tuple[str, slice]] = []
+    for layer in model.layers:
+        if granularity == "block" and layer.kind.startswith("batchnorm") and groups:
+            name, s = groups[-1]
+            groups[-1] = (f"{name}+{layer.name}", slice(s.start, layer.params.stop))
+        else:
+            groups.append((layer.name, layer.params))
+    return groups
+
+
+class PFedLA(Algorithm):
+    name = "pfedla"
+    Params = PFedLAParams
+    has_global_model = False
+
+    def __init__(self, params, model, num_clients, cfg):
+        super().__init__(params, model, num_clients, cfg)
+        self.groups = layer_groups(model, params.granularity)
+        self.slices = dict(self.groups)
+        if params.k > len(self.groups):
+            from ..errors import ConfigError
+            raise ConfigError(f"config key '{self.name}.k': {params.k} is more than the model's "
+                              f"{len(self.groups)} layers; allowed: 0 to {len(self.groups)}")
+        self.sequential = params.sequential
+
+    # -- hypernetworks -----------------------------------------------------------------------------------------
+    def init_hypernetworks(self, device: torch.device) -> dict[str, torch.Tensor]:
+        n, e, h, layers = self.num_clients, self.params.embedding_dim, self.params.hidden_dim, len(self.groups)
+        gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
+
+        def uniform(shape, bound):  # PyTorch's default Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+            return (torch.rand(shape, generator=gen) * 2 - 1) * bound
+
+        hn = {"emb": torch.randn(n, e, generator=gen)}
+        for i, fan_in in ((1, e), (2, h), (3, h)):
+            hn[f"w{i}"] = uniform((n, h, fan_in), 1 / math.sqrt(fan_in))
+            hn[f"b{i}"] = uniform((n, h), 1 / math.sqrt(fan_in))
+        # U(0, 1) heads: kaiming init can give all-negative outputs, i.e. all-zero weights after the ReLU (specs §1.2)
+        hn["head_w"] = torch.rand(n, layers, n, h, generator=gen)
+        hn["head_b"] = torch.zeros(n, layers, n)
+        return {k: v.to(device) for k, v in hn.items()}
+
+    @staticmethod
+    def raw_weights(hn: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Batched forward of the given clients' hypernetworks: ReLU head outputs, (clients, layers, N)."""
+        x = hn["emb"]
+        for i in (1, 2, 3):
+            x = torch.relu(torch.einsum("chk,ck->ch", hn[f"w{i}"], x) + hn[f"b{i}"])
+        return torch.relu(torch.einsum("clnh,ch->cln", hn["head_w"], x) + hn["head_b"])
+
+    def mixing_weights(self, raw: torch.Tensor, cids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """alpha (clients, layers, N): rows normalized to sum 1, one-hot self where a row is all zero and for the
+        layers a client keeps local (HeurpFedLA); and the boolean (clients, layers) mask of those kept layers."""
+        total = raw.sum(-1, keepdim=True)
+        onehot = F.one_hot(cids, self.num_clients).to(raw.dtype)[:, None, :].expand_as(raw)
+        alpha = torch.where(total > 0, raw / total.clamp_min(1e-30), onehot)
+        retained = torch.zeros(raw.shape[:2], dtype=torch.bool, device=raw.device)
+        if self.params.k > 0:
+            ranked = alpha if self.params.selfweight == "normalized" else raw
+            self_weight = ranked.detach().gather(2, cids[:, None, None].expand(-1, raw.shape[1], 1)).squeeze(2)
+            retained.scatter_(1, self_weight.topk(self.params.k, dim=1).indices, True)
+            alpha = torch.where(retained[..., None], onehot, alpha)
+        return alpha, retained
+
+    def mix(self, theta: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """Personalized parameters of the given clients, (clients, P): one product per layer."""
+        out = theta.new_empty(alpha.shape[0], self.model.param_size)
+        for l, (_, s) in enumerate(self.groups):
+            out[:, s] = alpha[:, l, :] @ theta[:, s]
+        return out
+
+    def _weights_of(self, state: State, cids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(cids, device=state["theta"].device)
+        with torch.no_grad():
+            alpha, retained = self.mixing_weights(self.raw_weights({k: v[idx] for k, v in state["hn"].items()}), idx)
+        return idx, alpha, retained
+
+    # -- protocol ----------------------------------------------------------------------------------------------
+    def init_server(self, init: torch.Tensor) -> State:
+        state = {"theta": init.repeat(self.num_clients, 1), "hn": self.init_hypernetworks(init.device)}
+        if self.params.hn_momentum > 0:
+            state["hn_velocity"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
+        return state
+
+    def init_client(self, cid: int, init: torch.Tensor) -> State:
+        return {"weights": init.clone()}
+
+    def payloads(self, state: State, cids: list[int], rnd: int) -> dict[int, Message]:
+        _, alpha, retained = self._weights_of(state, cids)
+        mixed = self.mix(state["theta"], alpha)
+        kept = retained.tolist()
+        return {cid: {name: mixed[r, s] for l, (name, s) in enumerate(self.groups) if not kept[r][l]}
+                for r, cid in enumerate(cids)}
+
+    def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
+        start = cstate["weights"].clone()  # own copy: kept layers and BN statistics
+        for name, values in payload.items():
+            start[self.slices[name]] = values
+        trained, loss = ctx.train(start)
+        return {"weights": trained, "num_samples": ctx.data.num_train, "train_loss": loss}, {"weights": trained}
+
+    def aggregate(self, state: State, updates: dict[int, Message], rnd: int) -> State:
+        theta, hn, p = state["theta"], state["hn"], self.params
+        cids = list(updates)
+        idx = torch.as_tensor(cids, device=theta.device)
+        trained = torch.stack([updates[c]["weights"] for c in cids])
+        sub = {k: v[idx].requires_grad_(True) for k, v in hn.items()}
+        alpha, _ = self.mixing_weights(self.raw_weights(sub), idx)  # the weights the payloads were built with
+        with torch.no_grad():
+            delta = self.mix(theta, alpha) - trained[:, : self.model.param_size]  # old - new
+            if p.delta_sign == "new_minus_old":
+                delta.neg_()
+            # d(loss proxy)/d alpha_l = Delta_l Theta_l^T: (clients, P_l) x (P_l, N), one product per layer
+            grad_alpha = torch.stack([delta[:, s] @ theta[:, s].T for _, s in self.groups], dim=1)
+        alpha.backward(grad_alpha)  # kept layers are constants (one-hot): their heads get no gradient
+        with torch.no_grad():
+            for k, v in hn.items():
+                step = sub[k].grad
+                if p.hn_momentum > 0:
+                    velocity = state["hn_velocity"][k]
+                    velocity[idx] = p.hn_momentum * velocity[idx] + step
+                    step = velocity[idx]
+                v[idx] = sub[k].detach() - p.hn_lr * step
+            theta[idx] = trained
+        return state
+
+    def personalized_many(self, state: State, cstates: list[State], cids: list[int]) -> list[torch.Tensor]:
+        idx, alpha, _ = self._weights_of(state, cids)
+        theta = state["theta"]
+        with torch.no_grad():
+            own_buffers = theta[idx][:, self.model.param_size:]  # BN statistics: always the client's own
+            return list(torch.cat([self.mix(theta, alpha), own_buffers], dim=1))
+
+    def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
+        return self.personalized_many(state, [cstate], [cid])[0]
+
+    def observables(self, state: State) -> dict[str, torch.Tensor]:
+        if not self.params.save_alpha:
+            return {}
+        _, alpha, retained = self._weights_of(state, list(range(self.num_clients)))
+        out = {"alpha": alpha.float().cpu().numpy()}
+        if self.params.k > 0:
+            out["alpha_retained"] = retained.cpu().numpy()
+        return out
+
+
+class HeurPFedLA(PFedLA):
+    """pFedLA with the k layers of highest self-weight kept local (k = 1 in the paper's Tables 1 and 2)."""
+    name = "heurpfedla"
+    Params = HeurPFedLAParams
