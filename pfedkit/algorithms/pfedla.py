@@ -82,7 +82,7 @@ class PFedLA(Algorithm):
         self.sequential = params.sequential
 
     # -- hypernetworks -----------------------------------------------------------------------------------------
-    def init_hypernetworks(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def init_hypernetworks(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
         n, e, h, layers = self.num_clients, self.params.embedding_dim, self.params.hidden_dim, len(self.groups)
         gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
 
@@ -96,7 +96,7 @@ class PFedLA(Algorithm):
         # U(0, 1) heads: kaiming init can give all-negative outputs, i.e. all-zero weights after the ReLU (specs §1.2)
         hn["head_w"] = torch.rand(n, layers, n, h, generator=gen)
         hn["head_b"] = torch.zeros(n, layers, n)
-        return {k: v.to(device) for k, v in hn.items()}
+        return {k: v.to(device=like.device, dtype=like.dtype) for k, v in hn.items()}
 
     @staticmethod
     def raw_weights(hn: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -135,7 +135,7 @@ class PFedLA(Algorithm):
 
     # -- protocol ----------------------------------------------------------------------------------------------
     def init_server(self, init: torch.Tensor) -> State:
-        state = {"theta": init.repeat(self.num_clients, 1), "hn": self.init_hypernetworks(init.device)}
+        state = {"theta": init.repeat(self.num_clients, 1), "hn": self.init_hypernetworks(init)}
         if self.params.hn_momentum > 0:
             state["hn_velocity"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
         return state
@@ -157,29 +157,36 @@ class PFedLA(Algorithm):
         trained, loss = ctx.train(start)
         return {"weights": trained, "num_samples": ctx.data.num_train, "train_loss": loss}, {"weights": trained}
 
-    def aggregate(self, state: State, updates: dict[int, Message], rnd: int) -> State:
-        theta, hn, p = state["theta"], state["hn"], self.params
-        cids = list(updates)
+    def hn_gradients(self, state: State, cids: list[int], trained: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Gradients of the given clients' hypernetworks (rows of the stacked tensors): the vector-Jacobian
+        product of their personalized parameters with delta = sent - trained."""
+        theta = state["theta"]
         idx = torch.as_tensor(cids, device=theta.device)
-        trained = torch.stack([updates[c]["weights"] for c in cids])
-        sub = {k: v[idx].requires_grad_(True) for k, v in hn.items()}
+        sub = {k: v[idx].requires_grad_(True) for k, v in state["hn"].items()}
         alpha, _ = self.mixing_weights(self.raw_weights(sub), idx)  # the weights the payloads were built with
         with torch.no_grad():
             delta = self.mix(theta, alpha) - trained[:, : self.model.param_size]  # old - new
-            if p.delta_sign == "new_minus_old":
+            if self.params.delta_sign == "new_minus_old":
                 delta.neg_()
-            # d(loss proxy)/d alpha_l = Delta_l Theta_l^T: (clients, P_l) x (P_l, N), one product per layer
+            # d<delta, theta_bar>/d alpha_l = Delta_l Theta_l^T: (clients, P_l) x (P_l, N), one product per layer
             grad_alpha = torch.stack([delta[:, s] @ theta[:, s].T for _, s in self.groups], dim=1)
         alpha.backward(grad_alpha)  # kept layers are constants (one-hot): their heads get no gradient
+        return {k: v.grad for k, v in sub.items()}
+
+    def aggregate(self, state: State, updates: dict[int, Message], rnd: int) -> State:
+        cids, p = list(updates), self.params
+        trained = torch.stack([updates[c]["weights"] for c in cids])
+        grads = self.hn_gradients(state, cids, trained)
+        idx = torch.as_tensor(cids, device=trained.device)
         with torch.no_grad():
-            for k, v in hn.items():
-                step = sub[k].grad
+            for k, v in state["hn"].items():  # SGD per client: each row has its own (optional) momentum
+                step = grads[k]
                 if p.hn_momentum > 0:
                     velocity = state["hn_velocity"][k]
                     velocity[idx] = p.hn_momentum * velocity[idx] + step
                     step = velocity[idx]
-                v[idx] = sub[k].detach() - p.hn_lr * step
-            theta[idx] = trained
+                v[idx] -= p.hn_lr * step
+            state["theta"][idx] = trained
         return state
 
     def personalized_many(self, state: State, cstates: list[State], cids: list[int]) -> list[torch.Tensor]:

@@ -31,13 +31,14 @@ class FlatModel:
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.num_batches_tracked = None  # unused with a fixed momentum; keeps every buffer float
         self.module = module
-        device = next(module.parameters()).device
+        first = next(module.parameters())
+        device, dtype = first.device, first.dtype
         params = list(module.named_parameters())
         buffers = [(n, b) for n, b in module.named_buffers() if b is not None]
         self.param_size = sum(p.numel() for _, p in params)
         self.size = self.param_size + sum(b.numel() for _, b in buffers)
-        self.vector = torch.empty(self.size, device=device)
-        self.grad = torch.zeros(self.param_size, device=device)
+        self.vector = torch.empty(self.size, device=device, dtype=dtype)
+        self.grad = torch.zeros(self.param_size, device=device, dtype=dtype)
         self.names: list[tuple[str, slice, torch.Size]] = []
         offset = 0
         for name, p in params:
