@@ -17,6 +17,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set local.lr=0.01 (repeatable)")
     run.add_argument("--algorithms", help="comma list of algorithms to compare, or 'all'")
+    run.add_argument("--seeds", help="comma list of seeds: one run each, comparison gives mean ± std (e.g. 0,1,2)")
     run.add_argument("--out", type=Path, help="output folder (default runs/<dataset>-<time>)")
     run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run from its checkpoint")
     plot = sub.add_parser("plot", help="redraw the figures of a run or experiment folder")
@@ -32,12 +33,13 @@ def main(argv: list[str] | None = None) -> int:
             from .config import load_config
             from .experiment import default_out, resume_experiment, run_experiment
             if args.resume:
-                if args.config or args.overrides or args.algorithms or args.out:
+                if args.config or args.overrides or args.algorithms or args.out or args.seeds:
                     raise PfedkitError("--resume DIR takes no config, --set, --algorithms or --out: "
                                        "it continues with the folder's own config.yaml")
                 resume_experiment(args.resume)
             else:
-                cfg = load_config(args.config, args.overrides, args.algorithms)
+                seeds = [f"seeds={args.seeds}"] if args.seeds else []
+                cfg = load_config(args.config, args.overrides + seeds, args.algorithms)
                 run_experiment(cfg, args.out or default_out(cfg))
         elif args.command == "plot":
             from .report.plots import plot_comparison, plot_run

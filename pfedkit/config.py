@@ -60,6 +60,10 @@ class PartitionConfig:
     powerlaw_sigma: float = at_least(0.0, 2.0)  # lognormal sigma of the per-(client, label) shares (FedProx: 2.0)
     min_per_label: int = at_least(0, 5)  # `powerlaw_labels`: samples each client gets of each label first
     samples_per_client: int = at_least(0, 0)  # 0 = as many as the data allows (all but `classes` leftovers)
+    # `validation`: carve val_fraction of each client's train split (stratified) and evaluate on it instead of the
+    # test split, which is then never loaded: for choosing hyperparameters without touching test data
+    eval_split: str = choices("test", "validation", default="test")
+    val_fraction: float = at_least(0.0, 0.2, high=0.9, open_low=True)
 
 
 @dataclass
@@ -89,6 +93,7 @@ class Config:
     local: LocalConfig = field(default_factory=LocalConfig)
     eval_every: int = at_least(1, 1)
     seed: int = at_least(0, 0)
+    seeds: str = ""  # comma list: one run per seed into DIR/seed<s>/, comparison.md gives mean ± std over them
     device: str = choices("cpu", "cuda", "auto", default="cpu")
     checkpoint_every: int = at_least(0, 10)  # rounds between checkpoints; 0 = only at the end
     threads: int = at_least(0, 0)  # torch intra-op threads; 0 = leave PyTorch's default
@@ -102,6 +107,14 @@ class Config:
         if self.algorithm == "all":
             return list(ALGORITHMS)
         return [a.strip() for a in self.algorithm.split(",") if a.strip()]
+
+    def seed_list(self) -> list[int]:
+        return [int(x) for x in self.seeds.split(",") if x.strip()]
+
+    def with_seed(self, seed: int) -> "Config":
+        one = copy.deepcopy(self)
+        one.seed, one.seeds = seed, ""
+        return one
 
     def for_algorithm(self, name: str) -> "Config":
         one = copy.deepcopy(self)
@@ -274,6 +287,12 @@ def validate(cfg: Config) -> None:
     if p.scheme == "natural" and cfg.dataset.name != "synthetic":
         raise ConfigError("config key 'partition.scheme': 'natural' needs a dataset with its own clients "
                           "(dataset.name: synthetic); allowed here: " + ", ".join(s for s in SCHEMES if s != "natural"))
+    if not all(x.strip().isdigit() for x in cfg.seeds.split(",")) and cfg.seeds.strip():
+        raise ConfigError(f"config key 'seeds': {cfg.seeds!r} is not allowed; allowed: a comma list of integers "
+                          ">= 0, e.g. 0,1,2")
+    if p.test_fraction == 0 and p.eval_split == "test":
+        raise ConfigError("config key 'partition.test_fraction': 0 leaves nothing to evaluate on; allowed: > 0, "
+                          "or 0 with partition.eval_split: validation")
     if cfg.local.epochs == 0 and cfg.local.steps == 0:
         raise ConfigError("config key 'local.epochs': 0 together with local.steps = 0 means no local training; "
                           "allowed: local.epochs >= 1 or local.steps >= 1")

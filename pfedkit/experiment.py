@@ -11,8 +11,8 @@ from .config import Config, dump_config, load_config
 from .data import FederatedData, build_federated
 from .engine import Run, atomic_write
 from .errors import ConfigError, PfedkitError
-from .report.plots import plot_comparison, plot_run
-from .report.tables import write_comparison
+from .report.plots import plot_comparison, plot_run, plot_seed_comparison
+from .report.tables import write_comparison, write_seed_comparison
 
 
 def resolve_device(name: str) -> torch.device:
@@ -37,9 +37,32 @@ def default_out(cfg: Config) -> Path:
 
 def run_experiment(cfg: Config, out: Path, *, resume: bool = False, data: FederatedData | None = None,
                    log: Callable[[str], None] = print, stop_after: int | None = None) -> list[dict]:
-    """Train every algorithm of `cfg` into `out/<algorithm>/`, then write comparison.md and comparison.png."""
-    data = data or prepare(cfg)
+    """Train every algorithm of `cfg` into `out/<algorithm>/`, then write comparison.md and comparison.png.
+    With `seeds`, once per seed into `out/seed<s>/`, and the comparison gives mean ± std over the seeds."""
+    seeds = cfg.seed_list()
+    if not seeds:
+        return _run_algorithms(cfg, Path(out), resume, data or prepare(cfg), log, stop_after)
     out = Path(out)
+    first = prepare(cfg.with_seed(seeds[0]))  # fail on bad input before writing anything
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        atomic_write(out / "config.yaml", dump_config(cfg).encode())
+    summaries = []
+    for i, seed in enumerate(seeds):
+        one, seed_dir = cfg.with_seed(seed), out / f"seed{seed}"
+        summaries += _run_algorithms(one, seed_dir, resume and seed_dir.is_dir(), first if i == 0 else prepare(one),
+                                     log, stop_after)
+    seed_dirs = [out / f"seed{s}" for s in seeds]
+    table = write_seed_comparison(out, seed_dirs, cfg.algorithms(),
+                                  f"# Comparison over seeds {cfg.seeds} on {first.summary()}")
+    if cfg.plots:
+        plot_seed_comparison(out, seed_dirs, cfg.algorithms())
+    log(table.read_text())
+    return summaries
+
+
+def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, log: Callable[[str], None],
+                    stop_after: int | None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         atomic_write(out / "config.yaml", dump_config(cfg).encode())

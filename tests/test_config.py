@@ -63,6 +63,7 @@ def test_default_preset_is_the_embedded_default():
 
 def test_readme_documents_every_config_key():
     readme = (ROOT / "README.md").read_text()
-    for key in flat_keys(Config().to_dict()):
+    for key in flat_keys(load_config(None).to_dict()):
         leaf = key.rsplit(".", 1)[-1]
-        assert f"`{key}`" in readme or f"`.{leaf}`" in readme or f", `{key}`" in readme, key
+        section = key.split(".")[0]
+        assert (f"`{key}`" in readme or f"`.{leaf}`" in readme or f"`{section}.*`" in readme), key

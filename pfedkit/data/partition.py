@@ -235,7 +235,14 @@ def make_partition(y: np.ndarray, num_classes: int, cfg: PartitionConfig, seed: 
     rng = np.random.default_rng([seed, 0x9A27])
     owner, label_sets = assign(y, num_classes, cfg, rng, groups)
     train, test = split_train_test(owner, y, cfg.num_clients, cfg.test_fraction, rng)
-    empty = [i for i in range(cfg.num_clients) if len(train[i]) == 0 or (cfg.test_fraction > 0 and len(test[i]) == 0)]
+    if cfg.eval_split == "validation":  # the test split is set aside unseen; evaluate on part of train
+        train_owner = np.full(len(y), -1, dtype=np.int64)
+        for i, idx in enumerate(train):
+            train_owner[idx] = i
+        train, test = split_train_test(train_owner, y, cfg.num_clients, cfg.val_fraction,
+                                       np.random.default_rng([seed, 0x7A1]))
+    held_out = cfg.val_fraction if cfg.eval_split == "validation" else cfg.test_fraction
+    empty = [i for i in range(cfg.num_clients) if len(train[i]) == 0 or (held_out > 0 and len(test[i]) == 0)]
     if empty:
         raise DataError(f"partition '{cfg.scheme}' leaves client {empty[0]} (and {len(empty) - 1} more) without "
                         f"train or test data: {len(y)} samples are too few for {cfg.num_clients} clients; "

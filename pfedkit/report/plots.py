@@ -93,3 +93,26 @@ def plot_run(run_dir: Path) -> list[Path]:
     if (Path(run_dir) / "partition.json").is_file():
         paths.append(plot_partition(run_dir))
     return paths
+
+
+def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[str]) -> Path:
+    """Mean personalized accuracy over seeds per round, with a ± std band, one line per algorithm."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in algorithms:
+        runs = [read_metrics(d / name) for d in seed_dirs if (d / name / "metrics.jsonl").is_file()]
+        if not runs:
+            continue
+        length = min(len(r) for r in runs)
+        rounds = [row["round"] for row in runs[0][:length]]
+        acc = np.array([[row["personalized_acc"] for row in r[:length]] for r in runs])
+        line, = ax.plot(rounds, acc.mean(0), label=f"{name} ({len(runs)} seeds)")
+        ax.fill_between(rounds, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), color=line.get_color(),
+                        alpha=0.2)
+    ax.set(xlabel="round", ylabel="personalized accuracy (mean over clients)", title="mean ± std over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out_dir) / "comparison.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
