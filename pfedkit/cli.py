@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run from its checkpoint")
     plot = sub.add_parser("plot", help="redraw the figures of a run or experiment folder")
     plot.add_argument("dir", type=Path)
+    plot.add_argument("--layer", help="pFedLA: the layer of the N x N weight heatmap (default fc1)")
+    plot.add_argument("--client", type=int, default=0, help="pFedLA: the target client of the per-layer and "
+                      "over-training weight figures (default 0)")
     sub.add_parser("list", help="list algorithms, datasets, partition schemes and models")
     return p
 
@@ -47,9 +50,12 @@ def main(argv: list[str] | None = None) -> int:
             if not d.is_dir():
                 raise PfedkitError(f"{d} is not a folder")
             runs = sorted(p for p in d.iterdir() if (p / "metrics.jsonl").is_file())
-            paths = plot_run(d) if (d / "metrics.jsonl").is_file() else []
-            for r in runs:
-                paths += plot_run(r)
+            try:
+                paths = plot_run(d, args.layer, args.client) if (d / "metrics.jsonl").is_file() else []
+                for r in runs:
+                    paths += plot_run(r, args.layer, args.client)
+            except ValueError as exc:
+                raise PfedkitError(str(exc)) from None
             if runs:
                 paths.append(plot_comparison(d, runs))
             if not paths:

@@ -116,10 +116,22 @@ class Config:
         one.seed, one.seeds = seed, ""
         return one
 
-    def for_algorithm(self, name: str) -> "Config":
+    def for_algorithm(self, spec: str) -> "Config":
+        """The config of one run: `spec` is an algorithm name, optionally with its own hyperparameters
+        (`heurpfedla@k=2`, `pfedla@hn_lr=0.5+sequential=true`), which override that algorithm's section."""
         one = copy.deepcopy(self)
-        one.algorithm = name
+        one.algorithm = spec
+        name, overrides = split_spec(spec)
+        if overrides:
+            section = algorithm_sections().get(name)
+            if section is None:
+                raise ConfigError(f"config key 'algorithm': {name!r} has no hyperparameters to set in {spec!r}")
+            one.algo[name] = build(section, {**_to_dict(one.algo[name]), **overrides}, f"{name}.")
         return one
+
+    @property
+    def algorithm_name(self) -> str:
+        return split_spec(self.algorithm)[0]
 
     def to_dict(self) -> dict:
         out = _to_dict(self)
@@ -130,6 +142,18 @@ class Config:
         """The hyperparameters of algorithm `name` (an empty NoParams if it has none)."""
         from .algorithms import NoParams
         return self.algo.get(name, NoParams())
+
+
+def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """'heurpfedla@k=2+hn_lr=0.5' -> ('heurpfedla', {'k': 2, 'hn_lr': 0.5})."""
+    name, _, rest = spec.partition("@")
+    overrides = {}
+    for item in filter(None, rest.split("+")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"config key 'algorithm': {spec!r}: expected name@key=value[+key=value]")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return name.strip(), overrides
 
 
 def algorithm_sections() -> dict[str, type]:
@@ -271,9 +295,14 @@ def from_dict(raw: dict) -> Config:
     names = cfg.algorithms()
     if not names:
         raise ConfigError(f"config key 'algorithm': empty; allowed: all, or a comma list of {', '.join(ALGORITHMS)}")
-    for name in names:
+    for spec in names:
+        name = split_spec(spec)[0]
         if name not in ALGORITHMS:
-            raise ConfigError(f"config key 'algorithm': {name!r} is not allowed; allowed: all, {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"config key 'algorithm': {name!r} is not allowed; allowed: all, {', '.join(ALGORITHMS)}"
+                              " (each optionally with @key=value+key=value for its own hyperparameters)")
+        cfg.for_algorithm(spec)  # validates the overrides
+    if len(set(names)) != len(names):
+        raise ConfigError(f"config key 'algorithm': {cfg.algorithm!r} names a run twice")
     validate(cfg)
     return cfg
 

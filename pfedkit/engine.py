@@ -6,6 +6,7 @@ a checkpoint continues exactly as the uninterrupted run would.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -148,8 +149,8 @@ class Run:
         self.device = data.device
         module = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(self.device)
         self.model = FlatModel(module)
-        cls = ALGORITHMS[cfg.algorithm]
-        self.algo = cls(cfg.params(cfg.algorithm), self.model, data.num_clients, cfg)
+        name = cfg.algorithm_name
+        self.algo = ALGORITHMS[name](cfg.params(name), self.model, data.num_clients, cfg)
         self.ckpt_path = self.out / "checkpoint.pt"
         self.metrics_path = self.out / "metrics.jsonl"
         self.observed = ObservableLog(self.out)
@@ -166,6 +167,11 @@ class Run:
         atomic_write(self.metrics_path, b"")
         self.observed.clear()
         self._write_partition()
+        info = {"name": self.cfg.algorithm, "params": dataclasses.asdict(self.algo.params),
+                "model_layers": [{"name": l.name, "kind": l.kind, "params": l.num_params} for l in self.model.layers],
+                "model_params": self.model.param_size, "model_buffers": self.model.size - self.model.param_size,
+                **self.algo.describe()}
+        atomic_write(self.out / "algorithm.json", json.dumps(info, indent=1).encode())
 
     def _resume(self) -> None:
         ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
@@ -196,73 +202,85 @@ class Run:
             self._resume()
         else:
             self._fresh()
-        cfg, data, algo = self.cfg, self.data, self.algo
+        cfg = self.cfg
         start = self.totals["round"]
         bar = tqdm(total=cfg.rounds, initial=start, desc=f"{cfg.algorithm:>10}", disable=not cfg.progress,
                    unit="round", dynamic_ncols=True, mininterval=0.5)
         for rnd in range(start + 1, cfg.rounds + 1):
             t0 = time.perf_counter()
-            cids = uniform_sample(cfg.seed, rnd, data.num_clients, cfg.clients_per_round)
-            server_s, losses = 0.0, []
-            round_bytes = {"up": 0, "down": 0}
-            # synchronous: every client starts from the same server state; sequential: one client at a time
-            for group in ([[c] for c in cids] if algo.sequential else [cids]):
-                ts = time.perf_counter()
-                payloads = algo.payloads(self.state, group, rnd)
-                _sync(self.device)
-                server_s += time.perf_counter() - ts
-                updates = {}
-                for cid in group:
-                    ctx = ClientContext(cid, rnd, data.client(cid), self.model, cfg.local,
-                                        seeded_generator(cfg.seed, rnd, cid))
-                    update, self.cstates[cid] = algo.client_update(payloads[cid], self.cstates[cid], ctx)
-                    check_update(update, cid, rnd)
-                    updates[cid] = update
-                    if "train_loss" in update:
-                        losses.append((update["train_loss"], update.get("num_samples", 1)))
-                round_bytes["down"] += sum(tensor_bytes(p) for p in payloads.values())
-                round_bytes["up"] += sum(tensor_bytes(u) for u in updates.values())
-                ts = time.perf_counter()
-                self.state = algo.aggregate(self.state, updates, rnd)
-                _sync(self.device)
-                server_s += time.perf_counter() - ts
+            stats = self._train_round(rnd)
             t = self.totals
-            t["round"], t["bytes_up"], t["bytes_down"] = rnd, t["bytes_up"] + round_bytes["up"], \
-                t["bytes_down"] + round_bytes["down"]
-            t["server_s"] += server_s
+            t["round"] = rnd
+            t["bytes_up"] += stats["bytes_up"]
+            t["bytes_down"] += stats["bytes_down"]
+            t["server_s"] += stats["server_s"]
             if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
-                te = time.perf_counter()
-                result = evaluate(algo, self.state, self.cstates, data, self.model)
-                _sync(self.device)
-                eval_s = time.perf_counter() - te
-                t["wall_s"] += time.perf_counter() - t0
-                n = sum(w for _, w in losses)
-                row = {"round": rnd, **result["row"],
-                       "train_loss": sum(l * w for l, w in losses) / n if n else None,
-                       "bytes_up": round_bytes["up"], "bytes_down": round_bytes["down"],
-                       "bytes_up_total": t["bytes_up"], "bytes_down_total": t["bytes_down"],
-                       "clients": len(cids), "wall_s": t["wall_s"], "server_s": server_s, "eval_s": eval_s}
-                self.metrics.append(row)
-                self.last_per_client = result["per_client"]
-                self.observed.write(rnd, algo.observables(self.state))
-                with open(self.metrics_path, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
+                row = self._evaluate(rnd, stats, t0)
                 bar.set_postfix(pacc=f"{row['personalized_acc']:.3f}", refresh=False)
             else:
                 t["wall_s"] += time.perf_counter() - t0
             bar.update(1)
             if (cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0) or rnd == cfg.rounds:
                 self._checkpoint()
-            if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
+            if stop_after is not None and stop_after <= rnd < cfg.rounds:
                 bar.close()
                 return None
         bar.close()
         if not hasattr(self, "last_per_client"):  # resumed after the last evaluation: evaluate again
-            self.last_per_client = evaluate(algo, self.state, self.cstates, data, self.model)["per_client"]
+            self.last_per_client = evaluate(self.algo, self.state, self.cstates, self.data, self.model)["per_client"]
         summary = self._summary()
         self.observed.pack()
         atomic_write(self.out / "summary.json", json.dumps(summary, indent=1).encode())
         return summary
+
+    def _train_round(self, rnd: int) -> dict:
+        """Sample, send, train the clients, aggregate: one round. Synchronous by default (every client starts
+        from the same server state); an algorithm may ask for its clients to be served one after another."""
+        cfg, data, algo = self.cfg, self.data, self.algo
+        cids = uniform_sample(cfg.seed, rnd, data.num_clients, cfg.clients_per_round)
+        stats = {"clients": len(cids), "server_s": 0.0, "bytes_up": 0, "bytes_down": 0, "losses": []}
+        for group in ([[c] for c in cids] if algo.sequential else [cids]):
+            ts = time.perf_counter()
+            payloads = algo.payloads(self.state, group, rnd)
+            _sync(self.device)
+            stats["server_s"] += time.perf_counter() - ts
+            updates = {}
+            for cid in group:
+                ctx = ClientContext(cid, rnd, data.client(cid), self.model, cfg.local,
+                                    seeded_generator(cfg.seed, rnd, cid))
+                update, self.cstates[cid] = algo.client_update(payloads[cid], self.cstates[cid], ctx)
+                check_update(update, cid, rnd)
+                updates[cid] = update
+                if "train_loss" in update:
+                    stats["losses"].append((update["train_loss"], update.get("num_samples", 1)))
+            stats["bytes_down"] += sum(tensor_bytes(p) for p in payloads.values())
+            stats["bytes_up"] += sum(tensor_bytes(u) for u in updates.values())
+            ts = time.perf_counter()
+            self.state = algo.aggregate(self.state, updates, rnd)
+            _sync(self.device)
+            stats["server_s"] += time.perf_counter() - ts
+        return stats
+
+    def _evaluate(self, rnd: int, stats: dict, t0: float) -> dict:
+        """Evaluate every client, append the metrics row and the algorithm's observables."""
+        te = time.perf_counter()
+        result = evaluate(self.algo, self.state, self.cstates, self.data, self.model)
+        _sync(self.device)
+        eval_s = time.perf_counter() - te
+        t = self.totals
+        t["wall_s"] += time.perf_counter() - t0
+        weight = sum(w for _, w in stats["losses"])
+        row = {"round": rnd, **result["row"],
+               "train_loss": sum(l * w for l, w in stats["losses"]) / weight if weight else None,
+               "bytes_up": stats["bytes_up"], "bytes_down": stats["bytes_down"],
+               "bytes_up_total": t["bytes_up"], "bytes_down_total": t["bytes_down"],
+               "clients": stats["clients"], "wall_s": t["wall_s"], "server_s": stats["server_s"], "eval_s": eval_s}
+        self.metrics.append(row)
+        self.last_per_client = result["per_client"]
+        self.observed.write(rnd, self.algo.observables(self.state))
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        return row
 
     def _summary(self) -> dict:
         last = self.metrics[-1]

@@ -51,7 +51,7 @@ def test_bad_values_name_the_key(override, needle):
 
 
 def test_every_preset_loads():
-    presets = sorted((ROOT / "configs").glob("*.yaml"))
+    presets = sorted((ROOT / "configs").rglob("*.yaml"))
     assert presets
     for p in presets:
         load_config(p)
@@ -67,3 +67,28 @@ def test_readme_documents_every_config_key():
         leaf = key.rsplit(".", 1)[-1]
         section = key.split(".")[0]
         assert (f"`{key}`" in readme or f"`.{leaf}`" in readme or f"`{section}.*`" in readme), key
+
+
+def test_algorithm_variants_carry_their_own_hyperparameters():
+    cfg = load_config(None, ["heurpfedla.hn_lr=0.1"], "pfedla,heurpfedla@k=2,heurpfedla@k=3+selfweight=raw")
+    assert cfg.algorithms() == ["pfedla", "heurpfedla@k=2", "heurpfedla@k=3+selfweight=raw"]
+    one = cfg.for_algorithm("heurpfedla@k=3+selfweight=raw")
+    assert one.algorithm_name == "heurpfedla"
+    p = one.params("heurpfedla")
+    assert (p.k, p.selfweight, p.hn_lr) == (3, "raw", 0.1)  # the section's other values stay
+    assert cfg.params("heurpfedla").k == 1  # the shared config is untouched
+    # a run's resolved config loads back to the same run
+    assert load_config(None, [f"heurpfedla.k={p.k}", "heurpfedla.selfweight=raw", "heurpfedla.hn_lr=0.1"],
+                       one.algorithm).for_algorithm(one.algorithm).params("heurpfedla") == p
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("heurpfedla@k=-1", "heurpfedla.k"),
+    ("heurpfedla@kk=1", "heurpfedla.kk"),
+    ("fedavg@mu=1", "no hyperparameters"),
+    ("pfedla,pfedla", "twice"),
+    ("heurpfedla@k", "name@key=value"),
+])
+def test_bad_algorithm_variants_name_the_problem(spec, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, [], spec)

@@ -281,3 +281,23 @@ def test_alpha_is_logged_at_every_evaluation(tmp_path):
     kept = np.load(tmp_path / "alpha_retained.npz")["r00004"]
     assert kept.shape == (5, 2) and (kept.sum(1) == 1).all()
     assert not (tmp_path / "observables").exists()
+
+
+FMNIST = "/usr/share/datasets/fashion-mnist"
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir(FMNIST), reason="needs `apt-get install dataset-fashion-mnist`")
+def test_reduced_table1_preset_on_full_fmnist(tmp_path):
+    from pathlib import Path
+
+    from pfedkit.experiment import run_experiment
+    preset = Path(__file__).resolve().parents[1] / "configs" / "pfedla" / "table1_fmnist_10clients_reduced.yaml"
+    cfg = load_config(preset, ["rounds=2", "seeds=", "progress=false"])
+    summaries = {s["algorithm"]: s for s in run_experiment(cfg, tmp_path, log=lambda s: None)}
+    assert list(summaries) == ["local", "fedavg", "pfedla", "heurpfedla"]
+    assert summaries["heurpfedla"]["mb_down_total"] < summaries["pfedla"]["mb_down_total"]
+    assert summaries["pfedla"]["mb_up_total"] == summaries["fedavg"]["mb_up_total"]
+    for name in ("pfedla", "heurpfedla"):
+        for f in ("alpha.npz", "alpha_heatmap.png", "alpha_layers.png", "alpha_evolution.png", "algorithm.json"):
+            assert (tmp_path / name / f).is_file(), f
+    assert all(s["personalized_acc"] > s["majority_label_acc"] for s in summaries.values())

@@ -89,6 +89,10 @@ class Algorithm:
         """The vectors of several clients at once (override to batch the server math)."""
         return [self.personalized(state, cstates[cid], cid) for cid in cids]
 
+    def describe(self) -> dict[str, Any]:
+        """Static facts about this run's algorithm for algorithm.json (e.g. the layer names of pFedLA's weights)."""
+        return {}
+
     def observables(self, state: State) -> dict[str, Any]:
         """Arrays to log at each evaluation (e.g. pFedLA's aggregation weights); {} for none."""
         return {}

@@ -199,6 +199,10 @@ class PFedLA(Algorithm):
     def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
         return self.personalized_many(state, [cstate], [cid])[0]
 
+    def describe(self) -> dict:
+        return {"alpha_layers": [name for name, _ in self.groups],
+                "alpha_axes": ["target client", "layer", "source client"]}
+
     def observables(self, state: State) -> dict[str, torch.Tensor]:
         if not self.params.save_alpha:
             return {}

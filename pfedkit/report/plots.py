@@ -88,10 +88,13 @@ def plot_comparison(out_dir: Path, run_dirs: list[Path]) -> Path:
     return path
 
 
-def plot_run(run_dir: Path) -> list[Path]:
+def plot_run(run_dir: Path, layer: str | None = None, client: int = 0) -> list[Path]:
+    run_dir = Path(run_dir)
     paths = [plot_accuracy(run_dir)]
-    if (Path(run_dir) / "partition.json").is_file():
+    if (run_dir / "partition.json").is_file():
         paths.append(plot_partition(run_dir))
+    if (run_dir / "alpha.npz").is_file() and (run_dir / "algorithm.json").is_file():
+        paths += plot_alpha(run_dir, layer, client)
     return paths
 
 
@@ -116,3 +119,93 @@ def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---- pFedLA's aggregation weights (the paper's Figs. 5-7) -----------------------------------------------------------
+
+def _alpha_series(run_dir: Path) -> tuple[list[int], list[np.ndarray]]:
+    with np.load(Path(run_dir) / "alpha.npz") as z:
+        keys = sorted(k for k in z.files)
+        return [int(k.strip("r.npy")) for k in keys], [z[k] for k in keys]
+
+
+def client_groups(label_sets: list[list[int]], target: int) -> dict[str, list[int]]:
+    """Other clients relative to `target` by label sets: the same labels, similar (all but one label shared)
+    and the rest, as in the paper's Fig. 5."""
+    mine = set(label_sets[target])
+    groups = {"same labels": [], "similar (all but one label)": [], "others": []}
+    for j, labels in enumerate(label_sets):
+        if j == target:
+            continue
+        shared = len(mine & set(labels))
+        if set(labels) == mine:
+            groups["same labels"].append(j)
+        elif shared >= max(len(mine) - 1, 1) and len(labels) == len(mine):
+            groups["similar (all but one label)"].append(j)
+        else:
+            groups["others"].append(j)
+    return groups
+
+
+def plot_alpha(run_dir: Path, layer: str | None = None, client: int = 0) -> list[Path]:
+    """Heatmap of one layer's N x N weights (Fig. 6), one client's weights per layer (Fig. 7), and that client's
+    weights on itself / same-label / similar / other clients over training (Fig. 5)."""
+    run_dir = Path(run_dir)
+    rounds, alphas = _alpha_series(run_dir)
+    info = json.loads((run_dir / "algorithm.json").read_text())
+    layers = info["alpha_layers"]
+    final = alphas[-1]
+    n = final.shape[0]
+    if not 0 <= client < n:
+        raise ValueError(f"client {client} is not one of 0..{n - 1}")
+    if layer is None:  # the paper shows FC1 for (E)MNIST-sized models
+        layer = "fc1" if "fc1" in layers else layers[0]
+    if layer not in layers:
+        raise ValueError(f"layer {layer!r} is not one of {', '.join(layers)}")
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(5.2 + 0.1 * n, 4.5 + 0.1 * n))
+    im = ax.imshow(final[:, layers.index(layer), :], cmap="viridis", vmin=0)
+    fig.colorbar(im, ax=ax, label="aggregation weight")
+    ax.set(xlabel="source client j", ylabel="target client i", title=f"{layer}: weights α_i[j] at round {rounds[-1]}")
+    if n <= 12:
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+    fig.tight_layout()
+    paths.append(run_dir / "alpha_heatmap.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.2 + 0.15 * n, 1.5 + 0.45 * len(layers)))
+    im = ax.imshow(final[client], cmap="viridis", vmin=0, aspect="auto")
+    fig.colorbar(im, ax=ax, label="aggregation weight")
+    ax.set_yticks(range(len(layers)), layers)
+    ax.set(xlabel="source client j", title=f"client {client}'s weights per layer, round {rounds[-1]} (box: self)")
+    ax.add_patch(plt.Rectangle((client - 0.5, -0.5), 1, len(layers), fill=False, edgecolor="red", linewidth=2))
+    if n <= 12:
+        ax.set_xticks(range(n))
+        for l in range(len(layers)):
+            for j in range(n):
+                ax.text(j, l, f"{final[client, l, j]:.2f}", ha="center", va="center", fontsize=7, color="white")
+    fig.tight_layout()
+    paths.append(run_dir / "alpha_layers.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    part = json.loads((run_dir / "partition.json").read_text())
+    groups = client_groups(part["label_sets"], client)
+    series = np.stack([a[client].mean(0) for a in alphas])  # (evaluations, N): averaged over layers
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(rounds, series[:, client], label="itself", linewidth=2)
+    for label, members in groups.items():
+        if members:
+            ax.plot(rounds, series[:, members].mean(1), label=f"{label} ({len(members)}), per client")
+    ax.set(xlabel="round", ylabel="aggregation weight (mean over layers)",
+           title=f"client {client} (labels {part['label_sets'][client]}): whom it aggregates")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(run_dir / "alpha_evolution.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
