@@ -58,7 +58,7 @@ def one(model: str, n: int, rounds: int) -> dict:
                 vec[algo.slices[name]] = values
             updates[c] = {"weights": vec + 0.01 * torch.randn(vec.shape, generator=gen)}
         t2 = time.perf_counter()
-        state = algo.aggregate(state, updates, rnd)
+        state = algo.aggregate(state, updates, {}, rnd)
         times.append((t1 - t0) + (time.perf_counter() - t2))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
     return {"model": model, "clients": n, "sampled": per_round, "params": fm.param_size,

@@ -83,15 +83,28 @@ class LocalConfig:
 
 
 @dataclass
+class ClusteringConfig:
+    """Options of `sampling: clustered_similarity` (specs §4.2)."""
+    distance: str = choices("cosine", "l2", "l1", default="cosine")
+    linkage_input: str = choices("rows", "condensed", default="rows")  # rows: Ward on the distance matrix's rows
+    clusters: int = at_least(0, 0)  # 0: Fraboni's cut (subtrees of weight <= 1/m); > 0: this many clusters
+
+
+@dataclass
 class Config:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: str = "all"  # one name, a comma list, or "all" (every registered algorithm)
     rounds: int = at_least(1, 40)
-    clients_per_round: int = at_least(0, 0)  # 0 = every client every round
+    clients_per_round: int = at_least(0, 0)  # 0 = every client every round; m draws for md/clustered sampling
+    # which clients aggregate and with what weight: auto = the algorithm's own (uniform; pFedCS: clustered_similarity)
+    sampling: str = choices("auto", "uniform", "md", "clustered_size", "clustered_similarity", default="auto")
+    clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     eval_every: int = at_least(1, 1)
+    target_acc: float = at_least(0.0, 0.0, high=1.0)  # > 0: summary.json reports the first round reaching it
+    eval_train: bool = False  # also log the models' loss on the clients' train splits at each evaluation
     seed: int = at_least(0, 0)
     seeds: str = ""  # comma list: one run per seed into DIR/seed<s>/, comparison.md gives mean ± std over them
     device: str = choices("cpu", "cuda", "auto", default="cpu")

@@ -15,19 +15,20 @@ import shutil
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .algorithms import ALGORITHMS, Algorithm, ClientContext
+from .algorithms.base import Cohort
 from .config import Config, dump_config
-from .data import FederatedData
-from .errors import PfedkitError, UpdateError
+from .data import ClientData, FederatedData
+from .errors import ConfigError, PfedkitError, UpdateError
 from .models import FlatModel, build_model
-from .sampling import uniform_sample
-from .train import predict_correct, seeded_generator
+from .sampling import Sampler
+from .train import predict, seeded_generator
 
 TIMING_KEYS = ("wall_s", "server_s", "eval_s")  # measure the machine, not the algorithm
 EVAL_CHUNK = 256  # clients whose personalized vectors are built at once during evaluation
@@ -64,38 +65,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedData, model: FlatModel) -> dict:
-    """Personalized accuracy of every client on its own test split, and the global model's where one exists."""
-    offsets = torch.as_tensor(data.test_offsets, device=data.device)
+def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedData, model: FlatModel, *,
+             adapt_context: Callable[[int], ClientContext] | None = None, train_loss: bool = False) -> dict:
+    """Personalized accuracy of every client on its own test split, and the global model's where one exists;
+    with `train_loss`, also the models' mean loss on the clients' train splits (the papers' training-loss curves)."""
+    test_offsets = torch.as_tensor(data.test_offsets, device=data.device)
+    train_offsets = torch.as_tensor(data.train_offsets, device=data.device)
 
-    def per_client(correct: torch.Tensor) -> np.ndarray:
-        cum = torch.cat([torch.zeros(1, device=correct.device), correct.double().cumsum(0)])
+    def per_client(values: torch.Tensor, offsets: torch.Tensor) -> np.ndarray:
+        cum = torch.cat([torch.zeros(1, device=values.device, dtype=torch.float64), values.double().cumsum(0)])
         return (cum[offsets[1:]] - cum[offsets[:-1]]).cpu().numpy()
 
-    sizes = data.test_sizes.astype(np.float64)
+    test_sizes = data.test_sizes.astype(np.float64)
+    train_sizes = data.train_sizes.astype(np.float64)
     global_vec = algo.global_model(state)
-    global_correct = None
+    global_correct = global_loss = None
     if global_vec is not None:
         model.load(global_vec)
-        global_correct = per_client(predict_correct(model, data.x_test, data.y_test))
-    correct = []
+        global_correct = per_client(predict(model, data.x_test, data.y_test)[0], test_offsets)
+        if train_loss:
+            global_loss = per_client(predict(model, data.x_train, data.y_train)[1], train_offsets)
+    correct, losses = [], []
     for first in range(0, data.num_clients, EVAL_CHUNK):
         cids = list(range(first, min(first + EVAL_CHUNK, data.num_clients)))
         for cid, vec in zip(cids, algo.personalized_many(state, cstates, cids)):
+            if algo.adapts:
+                vec = algo.adapt(vec, adapt_context(cid))
             if vec is global_vec and global_correct is not None:
                 correct.append(torch.tensor(global_correct[cid]))
+                losses.append(torch.tensor(global_loss[cid] if train_loss else 0.0))
                 continue
             model.load(vec)
             c = data.client(cid)
-            correct.append(predict_correct(model, c.x_test, c.y_test).sum())
-    acc = torch.stack([t.double().cpu() for t in correct]).numpy() / sizes
+            correct.append(predict(model, c.x_test, c.y_test)[0].sum())
+            losses.append(predict(model, c.x_train, c.y_train)[1].sum() if train_loss else torch.tensor(0.0))
+    acc = torch.stack([t.double().cpu() for t in correct]).numpy() / test_sizes
+    loss = torch.stack([t.double().cpu() for t in losses]).numpy()
     row = {
         "personalized_acc": float(acc.mean()),
-        "personalized_acc_weighted": float((acc * sizes).sum() / sizes.sum()),
+        "personalized_acc_weighted": float((acc * test_sizes).sum() / test_sizes.sum()),
         "personalized_acc_std": float(acc.std()),
         "personalized_acc_p10": float(np.percentile(acc, 10)),
-        "global_acc": None if global_correct is None else float((global_correct / sizes).mean()),
-        "global_acc_weighted": None if global_correct is None else float(global_correct.sum() / sizes.sum()),
+        "global_acc": None if global_correct is None else float((global_correct / test_sizes).mean()),
+        "global_acc_weighted": None if global_correct is None else float(global_correct.sum() / test_sizes.sum()),
+        "personalized_train_loss": float(loss.sum() / train_sizes.sum()) if train_loss else None,
+        "global_train_loss": float(global_loss.sum() / train_sizes.sum()) if global_loss is not None else None,
     }
     return {"row": row, "per_client": acc}
 
@@ -151,6 +165,11 @@ class Run:
         self.model = FlatModel(module)
         name = cfg.algorithm_name
         self.algo = ALGORITHMS[name](cfg.params(name), self.model, data.num_clients, cfg)
+        scheme = self.algo.default_sampling if cfg.sampling == "auto" else cfg.sampling
+        self.sampler = Sampler(scheme, data.train_sizes, cfg.clients_per_round, cfg.seed, cfg.clustering)
+        if self.sampler.needs_gradients and not self.algo.has_global_model:
+            raise ConfigError(f"config key 'sampling': clustered_similarity compares clients' updates to a global "
+                              f"model, which {name} does not have; allowed here: uniform, md, clustered_size")
         self.ckpt_path = self.out / "checkpoint.pt"
         self.metrics_path = self.out / "metrics.jsonl"
         self.observed = ObservableLog(self.out)
@@ -160,6 +179,7 @@ class Run:
         init = self.model.state()
         self.state = self.algo.init_server(init)
         self.cstates = [self.algo.init_client(cid, init) for cid in range(self.data.num_clients)]
+        self.sampler_state = self.sampler.init_state(self.model.size, init)
         self.metrics: list[dict] = []
         self.totals = {"round": 0, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, "server_s": 0.0}
         self.out.mkdir(parents=True, exist_ok=True)
@@ -176,6 +196,7 @@ class Run:
     def _resume(self) -> None:
         ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
         self.state, self.cstates, self.metrics, self.totals = ck["server"], ck["clients"], ck["metrics"], ck["totals"]
+        self.sampler_state = ck["sampler"]
         torch.set_rng_state(ck["torch_rng"])
         # the log may hold rows written after the checkpoint: rewrite it from the checkpoint's rows
         atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.metrics).encode())
@@ -183,7 +204,8 @@ class Run:
 
     def _checkpoint(self) -> None:
         buf = io.BytesIO()
-        torch.save({"server": self.state, "clients": self.cstates, "metrics": self.metrics, "totals": self.totals,
+        torch.save({"server": self.state, "clients": self.cstates, "sampler": self.sampler_state,
+                    "metrics": self.metrics, "totals": self.totals,
                     "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict()}, buf)
         atomic_write(self.ckpt_path, buf.getvalue())
 
@@ -227,44 +249,70 @@ class Run:
                 return None
         bar.close()
         if not hasattr(self, "last_per_client"):  # resumed after the last evaluation: evaluate again
-            self.last_per_client = evaluate(self.algo, self.state, self.cstates, self.data, self.model)["per_client"]
+            self.last_per_client = evaluate(self.algo, self.state, self.cstates, self.data, self.model,
+                                            adapt_context=lambda cid: self._adapt_context(cfg.rounds, cid))["per_client"]
         summary = self._summary()
         self.observed.pack()
         atomic_write(self.out / "summary.json", json.dumps(summary, indent=1).encode())
         return summary
 
     def _train_round(self, rnd: int) -> dict:
-        """Sample, send, train the clients, aggregate: one round. Synchronous by default (every client starts
-        from the same server state); an algorithm may ask for its clients to be served one after another."""
-        cfg, data, algo = self.cfg, self.data, self.algo
-        cids = uniform_sample(cfg.seed, rnd, data.num_clients, cfg.clients_per_round)
+        """Sample, send, train, aggregate: one round. Synchronous by default (every client starts from the same
+        server state); an algorithm may ask for its clients to be served one after another. Where every client
+        trains (pFedMe's code), the sampler picks who aggregates after training, from fresh gradients."""
+        cfg, data, algo, sampler = self.cfg, self.data, self.algo, self.sampler
+        weights = None if algo.trains_all else sampler.select(self.sampler_state, rnd)
+        cids = list(range(data.num_clients)) if algo.trains_all else list(weights)
         stats = {"clients": len(cids), "server_s": 0.0, "bytes_up": 0, "bytes_down": 0, "losses": []}
+        sent_global = algo.global_model(self.state) if sampler.needs_gradients else None
+        sent_global = None if sent_global is None else sent_global.clone()
+        updates: dict[int, dict] = {}
         for group in ([[c] for c in cids] if algo.sequential else [cids]):
             ts = time.perf_counter()
             payloads = algo.payloads(self.state, group, rnd)
             _sync(self.device)
             stats["server_s"] += time.perf_counter() - ts
-            updates = {}
-            for cid in group:
-                ctx = ClientContext(cid, rnd, data.client(cid), self.model, cfg.local,
-                                    seeded_generator(cfg.seed, rnd, cid))
-                update, self.cstates[cid] = algo.client_update(payloads[cid], self.cstates[cid], ctx)
+            cohort = Cohort(group, rnd, data, self.model, cfg.local, [seeded_generator(cfg.seed, rnd, c) for c in group])
+            new_updates, new_states = algo.client_update_many([payloads[c] for c in group],
+                                                              [self.cstates[c] for c in group], cohort)
+            for cid, update, cstate in zip(group, new_updates, new_states):
                 check_update(update, cid, rnd)
-                updates[cid] = update
+                updates[cid], self.cstates[cid] = update, cstate
                 if "train_loss" in update:
                     stats["losses"].append((update["train_loss"], update.get("num_samples", 1)))
-            stats["bytes_down"] += sum(tensor_bytes(p) for p in payloads.values())
-            stats["bytes_up"] += sum(tensor_bytes(u) for u in updates.values())
-            ts = time.perf_counter()
-            self.state = algo.aggregate(self.state, updates, rnd)
-            _sync(self.device)
-            stats["server_s"] += time.perf_counter() - ts
+            stats["bytes_down"] += sum(tensor_bytes(payloads[c]) for c in group)
+            stats["bytes_up"] += sum(tensor_bytes(updates[c]) for c in group)
+            if algo.sequential:
+                self._aggregate({c: updates[c] for c in group}, {c: 1.0 for c in group}, rnd, stats)
+        if sent_global is not None:  # representative gradients: what each client's training did to the model
+            self.sampler_state = sampler.observe(self.sampler_state, {
+                c: u["gradient"] if "gradient" in u else u["weights"] - sent_global for c, u in updates.items()})
+        if algo.trains_all:
+            weights = sampler.select(self.sampler_state, rnd)
+        if not algo.sequential:
+            self._aggregate(updates, weights, rnd, stats)
+        stats["aggregated"] = len(weights)
         return stats
+
+    def _aggregate(self, updates: dict, weights: dict, rnd: int, stats: dict) -> None:
+        ts = time.perf_counter()
+        self.state = self.algo.aggregate(self.state, updates, weights, rnd)
+        _sync(self.device)
+        stats["server_s"] += time.perf_counter() - ts
+
+    def _adapt_context(self, rnd: int, cid: int) -> ClientContext:
+        """What a client may fine-tune on before it is evaluated: its train split only (the test split is not
+        even in reach), with a generator of its own for this evaluation."""
+        c = self.data.client(cid)
+        train_only = ClientData(c.x_train, c.y_train, c.x_test[:0], c.y_test[:0])
+        return ClientContext(cid, rnd, train_only, self.model, self.cfg.local,
+                             seeded_generator(self.cfg.seed, rnd, cid, 0xE7A1))
 
     def _evaluate(self, rnd: int, stats: dict, t0: float) -> dict:
         """Evaluate every client, append the metrics row and the algorithm's observables."""
         te = time.perf_counter()
-        result = evaluate(self.algo, self.state, self.cstates, self.data, self.model)
+        result = evaluate(self.algo, self.state, self.cstates, self.data, self.model,
+                          adapt_context=lambda cid: self._adapt_context(rnd, cid), train_loss=self.cfg.eval_train)
         _sync(self.device)
         eval_s = time.perf_counter() - te
         t = self.totals
@@ -274,13 +322,19 @@ class Run:
                "train_loss": sum(l * w for l, w in stats["losses"]) / weight if weight else None,
                "bytes_up": stats["bytes_up"], "bytes_down": stats["bytes_down"],
                "bytes_up_total": t["bytes_up"], "bytes_down_total": t["bytes_down"],
-               "clients": stats["clients"], "wall_s": t["wall_s"], "server_s": stats["server_s"], "eval_s": eval_s}
+               "clients": stats["clients"], "aggregated": stats["aggregated"],
+               "wall_s": t["wall_s"], "server_s": stats["server_s"], "eval_s": eval_s}
         self.metrics.append(row)
         self.last_per_client = result["per_client"]
         self.observed.write(rnd, self.algo.observables(self.state))
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
         return row
+
+    def _first_round(self, key: str) -> int | None:
+        """The first evaluated round whose `key` reached `target_acc` (None: never, or no target set)."""
+        target = self.cfg.target_acc
+        return next((r["round"] for r in self.metrics if target and r[key] is not None and r[key] >= target), None)
 
     def _summary(self) -> dict:
         last = self.metrics[-1]
@@ -294,5 +348,8 @@ class Run:
             "mb_up_total": self.totals["bytes_up"] / 1e6, "mb_down_total": self.totals["bytes_down"] / 1e6,
             "server_s_total": self.totals["server_s"],
             "majority_label_acc": float(self.data.majority_label_accuracy().mean()),
+            "target_acc": self.cfg.target_acc or None,
+            "rounds_to_target": self._first_round("personalized_acc"),
+            "rounds_to_target_global": self._first_round("global_acc"),
             "personalized_acc_per_client": [float(a) for a in self.last_per_client],
         }

@@ -80,13 +80,80 @@ def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generato
 
 
 @torch.no_grad()
-def predict_correct(model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """Per-sample 0/1 correctness of the model's current vector (eval mode: BN uses running statistics)."""
+def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample 0/1 correctness and cross-entropy of the model's current vector (eval mode: BN uses running
+    statistics)."""
     model.module.eval()
-    out = [model.module(x[i: i + chunk]).argmax(1) == y[i: i + chunk] for i in range(0, len(y), chunk)]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool, device=x.device)
+    correct, losses = [], []
+    for i in range(0, len(y), chunk):
+        out = model.module(x[i: i + chunk])
+        correct.append(out.argmax(1) == y[i: i + chunk])
+        losses.append(F.cross_entropy(out, y[i: i + chunk], reduction="none"))
+    if not correct:
+        empty = torch.zeros(0, device=x.device)
+        return empty.bool(), empty
+    return torch.cat(correct), torch.cat(losses)
 
 
-def accuracy(model: FlatModel, data: ClientData) -> tuple[int, int]:
-    """(correct, total) on the client's test split."""
-    return int(predict_correct(model, data.x_test, data.y_test).sum()), len(data.y_test)
+# ---- many clients in lockstep (torch.func.vmap) -------------------------------------------------------------------
+
+def batch_plan(sizes: list[int], offsets: list[int], hp: LocalConfig, gens: list[torch.Generator],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-client batch streams of `batch_indices`, stacked for lockstep training: global sample indices
+    (steps, clients, batch) and a 0/1 mask of the real entries (padding for short batches and finished clients)."""
+    streams = [list(batch_indices(n, hp, g, torch.device("cpu"))) for n, g in zip(sizes, gens)]
+    steps, b = max(len(s) for s in streams), hp.batch_size
+    idx = torch.zeros(steps, len(sizes), b, dtype=torch.long)
+    mask = torch.zeros(steps, len(sizes), b)
+    for c, (stream, offset) in enumerate(zip(streams, offsets)):
+        for t, batch in enumerate(stream):
+            idx[t, c, : len(batch)] = batch + offset
+            mask[t, c, : len(batch)] = 1.0
+    return idx.to(device), mask.to(device)
+
+
+class BatchedLoss:
+    """Per-client mean cross-entropy and its gradient for a stack of flat parameter vectors, one vmap call for all
+    clients: `grads, losses = BatchedLoss(model)(params (C, P), x (C, B, ...), y (C, B), mask (C, B))`."""
+
+    def __init__(self, model: FlatModel):
+        from torch.func import functional_call, grad_and_value, vmap
+        if model.size != model.param_size:
+            raise ValueError("batched training needs a model without buffers (BatchNorm): use the per-client path")
+        module, names = model.module, [(n, s, shape) for n, s, shape in model.names]
+
+        def loss(flat, x, y, mask):
+            params = {n: flat[s].view(shape) for n, s, shape in names}
+            out = functional_call(module, params, (x,))
+            per_sample = F.cross_entropy(out, y, reduction="none")
+            return (per_sample * mask).sum() / mask.sum().clamp_min(1.0)
+
+        self._fn = vmap(grad_and_value(loss))
+
+    def __call__(self, params, x, y, mask):
+        return self._fn(params, x, y, mask)
+
+
+def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_all: torch.Tensor,
+                idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig, *, prox_anchor: torch.Tensor | None = None,
+                prox_mu: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sgd` for many clients at once (same steps, same batches); a client whose stream has ended stays put.
+    Returns (trained params (C, P), mean batch loss per client)."""
+    params = params.clone()
+    velocity = torch.zeros_like(params) if hp.momentum > 0 else None
+    loss_sum = torch.zeros(len(params), device=params.device)
+    steps = torch.zeros(len(params), device=params.device)
+    for t in range(idx.shape[0]):
+        grads, losses = loss(params, x_all[idx[t]], y_all[idx[t]], mask[t])
+        if hp.weight_decay > 0:
+            grads = grads + hp.weight_decay * params
+        if prox_anchor is not None and prox_mu > 0:
+            grads = grads + prox_mu * (params - prox_anchor)
+        active = (mask[t].sum(1) > 0).to(params.dtype)[:, None]
+        if velocity is not None:
+            velocity = torch.where(active > 0, hp.momentum * velocity + grads, velocity)
+            grads = velocity
+        params -= hp.lr * active * grads
+        loss_sum += active[:, 0] * losses
+        steps += active[:, 0]
+    return params, loss_sum / steps.clamp_min(1.0)

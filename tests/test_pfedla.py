@@ -207,7 +207,7 @@ def toy_round(algo, state, opt):
     trained = theta_bar.clone()
     for _ in range(5):
         trained -= 0.1 * (trained - opt)
-    return theta_bar, algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, 1)
+    return theta_bar, algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, {}, 1)
 
 
 def losses(theta, opt):

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import torch
 
 from ..config import Config, LocalConfig
-from ..data import ClientData
+from ..data import ClientData, FederatedData
 from ..models import FlatModel
-from ..train import sgd
+from ..train import BatchedLoss, batch_plan, batched_sgd, sgd
 
 Message = dict[str, Any]  # named tensors plus small scalars
 State = dict[str, Any]
@@ -43,6 +43,43 @@ class ClientContext:
         return self.model.state(), loss
 
 
+@dataclass
+class Cohort:
+    """The clients a round trains, for algorithms that train them in lockstep (torch.func.vmap) instead of one
+    after another. Each client keeps its own seeded batch stream, so both paths see the same batches."""
+    cids: list[int]
+    round: int
+    data: FederatedData
+    model: FlatModel
+    hp: LocalConfig
+    gens: list[torch.Generator]
+
+    def client(self, i: int) -> ClientContext:
+        return ClientContext(self.cids[i], self.round, self.data.client(self.cids[i]), self.model, self.hp,
+                             self.gens[i])
+
+    @property
+    def batchable(self) -> bool:
+        """Lockstep training works for models without buffers (no BatchNorm)."""
+        return self.model.size == self.model.param_size and len(self.cids) > 1
+
+    @property
+    def loss(self) -> BatchedLoss:
+        if getattr(self.model, "batched_loss", None) is None:  # build the vmapped function once per model
+            self.model.batched_loss = BatchedLoss(self.model)
+        return self.model.batched_loss
+
+    def plan(self, hp: LocalConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.data
+        return batch_plan([int(d.train_sizes[c]) for c in self.cids], [int(d.train_offsets[c]) for c in self.cids],
+                          hp or self.hp, self.gens, d.device)
+
+    def train(self, starts: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ClientContext.train` for every client at once: (trained (C, D), mean loss per client)."""
+        idx, mask = self.plan()
+        return batched_sgd(self.loss, starts, self.data.x_train, self.data.y_train, idx, mask, self.hp, **kwargs)
+
+
 class Algorithm:
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams
@@ -50,6 +87,10 @@ class Algorithm:
     # True: the round's clients are served one after another (payload, training, aggregation per client), so a
     # later client already sees the earlier ones' updates (the pFedLA reference code's order).
     sequential: bool = False
+    # True: every client trains every round and the sampler only picks who aggregates (pFedMe's code).
+    trains_all: bool = False
+    default_sampling: ClassVar[str] = "uniform"  # what `sampling: auto` means for this algorithm
+    adapts: ClassVar[bool] = False  # True: `adapt` fine-tunes the model on the client's train data before evaluation
 
     def __init__(self, params: Any, model: FlatModel, num_clients: int, cfg: Config):
         self.params = params
@@ -68,7 +109,10 @@ class Algorithm:
     def payload(self, state: State, cid: int, rnd: int) -> Message:
         return {"weights": state["weights"]}
 
-    def aggregate(self, state: State, updates: dict[int, Message], rnd: int) -> State:
+    def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
+        """Fold in the round's updates. `weights` gives the aggregating clients (a subset of `updates` where all
+        clients train) and their weights, summing to 1, as the sampler makes the aggregate unbiased: sample-size
+        shares for uniform sampling, draw counts / m for MD and clustered sampling."""
         raise NotImplementedError
 
     def global_model(self, state: State) -> torch.Tensor | None:
@@ -80,6 +124,17 @@ class Algorithm:
 
     def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
         raise NotImplementedError
+
+    def client_update_many(self, payloads: list[Message], cstates: list[State],
+                           cohort: Cohort) -> tuple[list[Message], list[State]]:
+        """All of a round's clients (override to train them in lockstep); must equal `client_update` per client."""
+        results = [self.client_update(p, s, cohort.client(i)) for i, (p, s) in enumerate(zip(payloads, cstates))]
+        return [u for u, _ in results], [s for _, s in results]
+
+    def adapt(self, vector: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
+        """The model a client is evaluated with, given its personalized vector (`adapts` algorithms fine-tune
+        here; `ctx.data` then holds only the client's train split)."""
+        return vector
 
     def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
         """The vector client `cid` is evaluated with."""
@@ -98,8 +153,19 @@ class Algorithm:
         return {}
 
 
-def weighted_average(updates: dict[int, Message], key: str = "weights") -> torch.Tensor:
-    """Sample-size weighted mean of the clients' vectors: one stacked matrix-vector product."""
-    vectors = torch.stack([u[key] for u in updates.values()])
-    sizes = torch.tensor([float(u["num_samples"]) for u in updates.values()], device=vectors.device)
-    return (sizes / sizes.sum()) @ vectors
+def model_gradient(model: FlatModel, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Gradient of the mean cross-entropy on one batch at `params` (the parameter part of a vector; the model's
+    buffers stay as they are, and BatchNorm updates them in train mode)."""
+    model.vector[: len(params)].copy_(params)
+    model.grad.zero_()
+    model.module.train()
+    loss = torch.nn.functional.cross_entropy(model.module(x), y)
+    loss.backward()
+    return model.grad[: len(params)].clone(), float(loss.detach())
+
+
+def weighted_average(updates: dict[int, Message], weights: dict[int, float], key: str = "weights") -> torch.Tensor:
+    """The weighted mean of the aggregating clients' vectors: one stacked matrix-vector product."""
+    vectors = torch.stack([updates[c][key] for c in weights])
+    w = torch.tensor([weights[c] for c in weights], dtype=vectors.dtype, device=vectors.device)
+    return w @ vectors

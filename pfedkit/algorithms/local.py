@@ -25,7 +25,15 @@ class Local(Algorithm):
         # Only the statistics the engine logs go up (a few bytes); the model never leaves the client.
         return {"num_samples": ctx.data.num_train, "train_loss": loss}, {"weights": weights}
 
-    def aggregate(self, state: State, updates: dict[int, Message], rnd: int) -> State:
+    def client_update_many(self, payloads, cstates, cohort):
+        if not cohort.batchable:
+            return super().client_update_many(payloads, cstates, cohort)
+        trained, losses = cohort.train(torch.stack([s["weights"] for s in cstates]))
+        sizes = cohort.data.train_sizes
+        return [{"num_samples": int(sizes[c]), "train_loss": float(l)} for c, l in zip(cohort.cids, losses)], \
+            [{"weights": w.clone()} for w in trained]
+
+    def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
         return state
 
     def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:

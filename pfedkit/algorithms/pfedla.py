@@ -173,7 +173,8 @@ class PFedLA(Algorithm):
         alpha.backward(grad_alpha)  # kept layers are constants (one-hot): their heads get no gradient
         return {k: v.grad for k, v in sub.items()}
 
-    def aggregate(self, state: State, updates: dict[int, Message], rnd: int) -> State:
+    def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
+        # every trained client updates its own hypernetwork; the sampler's weights play no part
         cids, p = list(updates), self.params
         trained = torch.stack([updates[c]["weights"] for c in cids])
         grads = self.hn_gradients(state, cids, trained)
