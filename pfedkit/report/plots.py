@@ -21,7 +21,15 @@ def _curves(ax_acc, ax_loss, rows: list[dict], label: str, color=None) -> None:
     line, = ax_acc.plot(rounds, [r["personalized_acc"] for r in rows], label=f"{label} personalized", color=color)
     if rows and rows[-1]["global_acc"] is not None:
         ax_acc.plot(rounds, [r["global_acc"] for r in rows], "--", color=line.get_color(), label=f"{label} global")
-    if ax_loss is not None and any(r["train_loss"] is not None for r in rows):
+    if ax_loss is None:
+        return
+    if rows and rows[-1].get("personalized_train_loss") is not None:  # eval_train: the models' loss on train data
+        ax_loss.plot(rounds, [r["personalized_train_loss"] for r in rows], color=line.get_color(),
+                     label=f"{label} personalized")
+        if rows[-1].get("global_train_loss") is not None:
+            ax_loss.plot(rounds, [r["global_train_loss"] for r in rows], "--", color=line.get_color(),
+                         label=f"{label} global")
+    elif any(r["train_loss"] is not None for r in rows):
         ax_loss.plot(rounds, [r["train_loss"] for r in rows], color=line.get_color(), label=label)
 
 
@@ -76,7 +84,8 @@ def plot_comparison(out_dir: Path, run_dirs: list[Path]) -> Path:
         _curves(ax, ax2, read_metrics(run_dir), Path(run_dir).name)
     ax.set(xlabel="round", ylabel="test accuracy (mean over clients)",
            title="personalized (solid) and global (dashed) accuracy")
-    ax2.set(xlabel="round", ylabel="train loss", title="local training loss")
+    ax2.set(xlabel="round", ylabel="train loss", title="training loss (models on train data if eval_train, "
+            "else during local training)")
     ax2.set_yscale("log")
     for a in (ax, ax2):
         a.grid(alpha=0.3)

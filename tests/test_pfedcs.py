@@ -1,0 +1,88 @@
+"""Samplers inside the round loop, and pFedCS end to end against its baselines on Synthetic(0.4, 0.6)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pfedkit.config import load_config
+from pfedkit.engine import Run
+from pfedkit.errors import ConfigError
+from pfedkit.experiment import prepare, run_experiment
+from pfedkit.sampling import Sampler
+
+SYNTH = ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=12", "model.name=mlr",
+         "dataset.synthetic.size_factor=1", "local.batch_size=20", "local.steps=10", "local.lr=0.05",
+         "progress=false", "plots=false", "checkpoint_every=0", "clients_per_round=4"]
+
+
+def test_uniform_sampling_weights_are_sample_size_shares():
+    sizes = np.array([10, 30, 60, 100])
+    s = Sampler("uniform", sizes, 2, seed=0)
+    for rnd in range(1, 6):
+        w = s.select({}, rnd)
+        assert len(w) == 2 and sum(w.values()) == pytest.approx(1)
+        a, b = w
+        assert w[a] / w[b] == pytest.approx(sizes[a] / sizes[b])
+
+
+@pytest.mark.parametrize("scheme", ["md", "clustered_size"])
+def test_drawn_schemes_weigh_a_client_by_its_draws(scheme):
+    sizes = np.random.default_rng(0).integers(10, 500, 30)
+    s = Sampler(scheme, sizes, 5, seed=1)
+    totals = np.zeros(30)
+    for rnd in range(1, 3001):
+        for c, w in s.select({}, rnd).items():
+            assert w * 5 == pytest.approx(round(w * 5))  # draws / m
+            totals[c] += w
+    # unbiased: in expectation each client's weight is its share p_i
+    assert np.allclose(totals / 3000, sizes / sizes.sum(), atol=0.012)
+
+
+def test_similarity_sampling_refreshes_the_gradients_of_the_clients_that_trained(tmp_path):
+    cfg = load_config(None, SYNTH + ["rounds=1", "sampling=clustered_similarity"], "fedavg")
+    run = Run(cfg.for_algorithm("fedavg"), prepare(cfg), tmp_path)
+    init = run.model.state()
+    run.run()
+    G = run.sampler_state["gradients"]
+    trained = [c for c in range(12) if G[c].abs().sum() > 0]
+    assert 1 <= len(trained) <= 4  # the drawn clients (a client drawn twice trains once)
+    assert all(G[c].abs().sum() == 0 for c in range(12) if c not in trained)  # the rest start at zero
+    assert not torch.equal(run.state["weights"], init)
+
+
+def test_pfedcs_refreshes_every_clients_gradient_when_all_train(tmp_path):
+    cfg = load_config(None, SYNTH + ["rounds=2", "pfedcs.local_rounds=3"], "pfedcs")
+    run = Run(cfg.for_algorithm("pfedcs"), prepare(cfg), tmp_path)
+    run.run()
+    assert run.sampler.scheme == "clustered_similarity"  # `sampling: auto` is pFedCS's own sampler
+    G = run.sampler_state["gradients"]
+    assert (G.abs().sum(1) > 0).all()
+    assert all(r["aggregated"] <= 4 for r in run.metrics)
+
+
+def test_clustered_similarity_needs_a_global_model(tmp_path):
+    cfg = load_config(None, SYNTH + ["rounds=1", "sampling=clustered_similarity"], "pfedla")
+    with pytest.raises(ConfigError, match="sampling"):
+        Run(cfg.for_algorithm("pfedla"), prepare(cfg), tmp_path)
+
+
+def test_pfedcs_comparison_on_synthetic_writes_the_papers_figures(tmp_path):
+    cfg = load_config(None, SYNTH + ["rounds=4", "plots=true", "eval_train=true", "target_acc=0.5",
+                                     "pfedcs.local_rounds=5", "pfedme.local_rounds=5", "clustering.clusters=6"],
+                      "pfedcs,pfedme,fedavg,fedprox,perfedavg")
+    summaries = {s["algorithm"]: s for s in run_experiment(cfg, tmp_path, log=lambda s: None)}
+    assert set(summaries) == {"pfedcs", "pfedme", "fedavg", "fedprox", "perfedavg"}
+    for name, s in summaries.items():
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 4
+        assert rows[-1]["global_acc"] is not None and rows[-1]["personalized_acc"] is not None
+        assert rows[-1]["global_train_loss"] > 0 and rows[-1]["personalized_train_loss"] > 0
+        assert "rounds_to_target" in s
+    table = (tmp_path / "comparison.md").read_text()
+    assert "majority label" in table
+    assert (tmp_path / "comparison.png").is_file()
+    # personal models: pFedMe-style methods evaluate theta~, not the global model
+    assert summaries["pfedcs"]["personalized_acc"] != summaries["pfedcs"]["global_acc"]
