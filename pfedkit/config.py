@@ -17,7 +17,7 @@ import yaml
 
 from .errors import ConfigError
 
-DATASETS = ("mnist5k", "fmnist", "synthetic", "digits", "mnist", "emnist", "cifar10", "cifar100")
+DATASETS = ("mnist5k", "fmnist", "synthetic", "digits", "mnist", "emnist", "cifar10", "cifar100", "leaf")
 SCHEMES = ("classes", "dominant", "dirichlet", "powerlaw_labels", "chain", "iid", "natural")
 MODELS = ("cnn", "cnn_bn", "mlr", "dnn")
 
@@ -45,6 +45,9 @@ class DatasetConfig:
     name: str = choices(*DATASETS, default="mnist5k")
     root: str | None = None  # folder with the dataset's standard files (fmnist: the Debian package's folder)
     emnist_split: str = choices("balanced", "byclass", "bymerge", "digits", "letters", "mnist", default="balanced")
+    # `leaf`: the JSON layout LEAF, FedProx and pFedMe share; its users are the clients, its split is kept
+    train_file: str | None = None
+    test_file: str | None = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -131,15 +134,21 @@ class Config:
 
     def for_algorithm(self, spec: str) -> "Config":
         """The config of one run: `spec` is an algorithm name, optionally with its own hyperparameters
-        (`heurpfedla@k=2`, `pfedla@hn_lr=0.5+sequential=true`), which override that algorithm's section."""
+        (`heurpfedla@k=2`, `pfedla@hn_lr=0.5+sequential=true`), which override that algorithm's section, and
+        its own local training (`pfedcs@local.batch_size=30`)."""
         one = copy.deepcopy(self)
         one.algorithm = spec
         name, overrides = split_spec(spec)
-        if overrides:
+        local = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("local.")}
+        own = {k: v for k, v in overrides.items() if not k.startswith("local.")}
+        if local:  # a run's own local training (`fedavg@local.lr=0.01`); data and sampling stay shared
+            one.local = build(LocalConfig, {**_to_dict(one.local), **local}, "local.")
+        if own:
             section = algorithm_sections().get(name)
             if section is None:
-                raise ConfigError(f"config key 'algorithm': {name!r} has no hyperparameters to set in {spec!r}")
-            one.algo[name] = build(section, {**_to_dict(one.algo[name]), **overrides}, f"{name}.")
+                raise ConfigError(f"config key 'algorithm': {name!r} has no hyperparameters to set in {spec!r}; "
+                                  "allowed: local.* keys")
+            one.algo[name] = build(section, {**_to_dict(one.algo[name]), **own}, f"{name}.")
         return one
 
     @property
@@ -326,9 +335,17 @@ def validate(cfg: Config) -> None:
     if cfg.clients_per_round > p.num_clients:
         raise ConfigError(f"config key 'clients_per_round': {cfg.clients_per_round} is more than "
                           f"partition.num_clients = {p.num_clients}; allowed: 0 (all) to {p.num_clients}")
-    if p.scheme == "natural" and cfg.dataset.name != "synthetic":
+    if p.scheme == "natural" and cfg.dataset.name not in ("synthetic", "leaf"):
         raise ConfigError("config key 'partition.scheme': 'natural' needs a dataset with its own clients "
-                          "(dataset.name: synthetic); allowed here: " + ", ".join(s for s in SCHEMES if s != "natural"))
+                          "(dataset.name: synthetic or leaf); allowed here: "
+                          + ", ".join(s for s in SCHEMES if s != "natural"))
+    if cfg.dataset.name == "leaf":
+        if p.scheme != "natural":
+            raise ConfigError("config key 'partition.scheme': a leaf dataset brings its own clients and split; "
+                              "allowed: natural")
+        if not cfg.dataset.train_file or not cfg.dataset.test_file:
+            raise ConfigError("config key 'dataset.train_file': dataset leaf needs dataset.train_file and "
+                              "dataset.test_file (the JSON files of LEAF, FedProx or pFedMe)")
     if not all(x.strip().isdigit() for x in cfg.seeds.split(",")) and cfg.seeds.strip():
         raise ConfigError(f"config key 'seeds': {cfg.seeds!r} is not allowed; allowed: a comma list of integers "
                           ">= 0, e.g. 0,1,2")

@@ -104,7 +104,7 @@ def test_pfedme_beta_mixes_the_old_global_model():
 
 
 def test_perfedavg_first_order_step_by_hand():
-    cfg, data, model, algo = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=2")
+    cfg, data, model, algo = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=1")
     init = model.state()
     cohort = cohort_of(cfg, data, model, [3])
     update, _ = algo.client_update({"weights": init}, {}, cohort.client(0))
@@ -128,8 +128,8 @@ def test_perfedavg_first_order_step_by_hand():
 
 
 def test_perfedavg_hessian_free_differs_from_first_order():
-    cfg, data, model, fo = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=3")
-    _, _, _, hf = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=3", "perfedavg.variant=hf")
+    cfg, data, model, fo = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=1")
+    _, _, _, hf = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=1", "perfedavg.variant=hf")
     init = model.state()
     a = fo.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [2]).client(0))[0]["weights"]
     b = hf.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [2]).client(0))[0]["weights"]

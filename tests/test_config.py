@@ -86,9 +86,18 @@ def test_algorithm_variants_carry_their_own_hyperparameters():
     ("heurpfedla@k=-1", "heurpfedla.k"),
     ("heurpfedla@kk=1", "heurpfedla.kk"),
     ("fedavg@mu=1", "no hyperparameters"),
+    ("fedavg@local.lr=-1", "local.lr"),
+    ("fedavg@local.nope=1", "local.nope"),
     ("pfedla,pfedla", "twice"),
     ("heurpfedla@k", "name@key=value"),
 ])
 def test_bad_algorithm_variants_name_the_problem(spec, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, [], spec)
+
+
+def test_variants_may_change_their_local_training_only():
+    cfg = load_config(None, [], "fedavg,fedavg@local.lr=0.01+local.batch_size=8")
+    one = cfg.for_algorithm("fedavg@local.lr=0.01+local.batch_size=8")
+    assert (one.local.lr, one.local.batch_size) == (0.01, 8)
+    assert cfg.local.lr == 0.05 and cfg.for_algorithm("fedavg").local.lr == 0.05

@@ -6,7 +6,8 @@ Each local step from theta0 uses fresh mini-batches from the client's stream:
     theta' = theta0 - alpha grad f(theta0; D1),  g = grad f(theta'; D2)
     FO: theta = theta0 - beta g
     HF: h = [grad f(theta0 + delta g; D3) - grad f(theta0 - delta g; D3)] / (2 delta),  theta = theta0 - beta (g - alpha h)
-with alpha = local.lr. The number of steps is the stream's batches / 2 (FO) or / 3 (HF), as FL-bench does.
+with alpha = local.lr. `local.steps` > 0 counts these meta-steps (pFedMe's code); with `local.epochs` the number of
+steps is the epochs' batches / 2 (FO) or / 3 (HF), as FL-bench does.
 """
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ class PerFedAvg(FedAvg):
         def grad(params, idx):
             return model_gradient(model, params, data.x_train[idx], data.y_train[idx])
 
-        batches = list(batch_indices(data.num_train, ctx.hp, ctx.gen, sent.device))
         per_step = 2 if p.variant == "fo" else 3
+        plan = ctx.hp
+        if plan.steps > 0:  # local.steps counts meta-steps (pFedMe's code), each taking `per_step` batches
+            plan = LocalConfig(epochs=0, steps=plan.steps * per_step, batch_size=plan.batch_size, lr=plan.lr)
+        batches = list(batch_indices(data.num_train, plan, ctx.gen, sent.device))
         losses = []
         for s in range(len(batches) // per_step):
             b = batches[s * per_step: (s + 1) * per_step]

@@ -83,5 +83,5 @@ class FederatedData:
 
 def build_federated(cfg: Config, device: str | torch.device = "cpu") -> FederatedData:
     source = load_source(cfg.dataset, cfg.seed, cfg.partition.num_clients)
-    partition = make_partition(source.y, source.num_classes, cfg.partition, cfg.seed, source.groups)
+    partition = make_partition(source.y, source.num_classes, cfg.partition, cfg.seed, source.groups, source.is_test)
     return FederatedData(source, partition, device)

@@ -231,10 +231,14 @@ def split_train_test(owner: np.ndarray, y: np.ndarray, n: int, test_fraction: fl
 
 
 def make_partition(y: np.ndarray, num_classes: int, cfg: PartitionConfig, seed: int,
-                   groups: np.ndarray | None = None) -> Partition:
+                   groups: np.ndarray | None = None, is_test: np.ndarray | None = None) -> Partition:
     rng = np.random.default_rng([seed, 0x9A27])
     owner, label_sets = assign(y, num_classes, cfg, rng, groups)
-    train, test = split_train_test(owner, y, cfg.num_clients, cfg.test_fraction, rng)
+    if is_test is not None:  # the dataset's own split (LEAF files): keep it
+        train = [np.flatnonzero((owner == i) & ~is_test) for i in range(cfg.num_clients)]
+        test = [np.flatnonzero((owner == i) & is_test) for i in range(cfg.num_clients)]
+    else:
+        train, test = split_train_test(owner, y, cfg.num_clients, cfg.test_fraction, rng)
     if cfg.eval_split == "validation":  # the test split is set aside unseen; evaluate on part of train
         train_owner = np.full(len(y), -1, dtype=np.int64)
         for i, idx in enumerate(train):

@@ -25,7 +25,8 @@ class Source:
     x: np.ndarray  # float32, (N, C, H, W) for images, (N, F) for vectors
     y: np.ndarray  # int64 labels 0..num_classes-1
     num_classes: int
-    groups: np.ndarray | None = None  # natural client id of each sample (Synthetic), else None
+    groups: np.ndarray | None = None  # natural client id of each sample (Synthetic, LEAF), else None
+    is_test: np.ndarray | None = None  # the dataset's own per-client split (LEAF), else None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -35,6 +36,12 @@ class Source:
 def load_source(cfg: DatasetConfig, seed: int, num_clients: int) -> Source:
     loaders = {"mnist5k": _mnist5k, "fmnist": _fmnist, "mnist": _mnist, "emnist": _emnist,
                "cifar10": _cifar10, "cifar100": _cifar100, "digits": _digits}
+    if cfg.name == "leaf":
+        from .leaf import load_leaf
+        x, y, groups, is_test, users = load_leaf(cfg.train_file, cfg.test_file)
+        src = Source("leaf", x, y, int(y.max()) + 1, groups, is_test)
+        _check(src)
+        return src
     if cfg.name == "synthetic":
         return synthetic(cfg.synthetic.alpha, cfg.synthetic.beta, num_clients, cfg.synthetic.features,
                          cfg.synthetic.classes, cfg.synthetic.size_factor, seed)
