@@ -11,6 +11,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -43,11 +50,7 @@ def plot_accuracy(run_dir: Path) -> Path:
     ax.grid(alpha=0.3)
     ax2.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = run_dir / "accuracy.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, run_dir / "accuracy.png")
 
 
 def plot_partition(run_dir: Path) -> Path:
@@ -71,11 +74,7 @@ def plot_partition(run_dir: Path) -> Path:
         fig.colorbar(im, ax=ax, label="train samples")
         ax.set(xlabel="client", ylabel="class")
     ax.set_title(f"{info['dataset']}: classes per client")
-    fig.tight_layout()
-    path = run_dir / "partition.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, run_dir / "partition.png")
 
 
 def plot_comparison(out_dir: Path, run_dirs: list[Path]) -> Path:
@@ -90,11 +89,7 @@ def plot_comparison(out_dir: Path, run_dirs: list[Path]) -> Path:
     for a in (ax, ax2):
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(out_dir) / "comparison.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, Path(out_dir) / "comparison.png")
 
 
 def plot_run(run_dir: Path, layer: str | None = None, client: int = 0) -> list[Path]:
@@ -123,11 +118,7 @@ def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[
     ax.set(xlabel="round", ylabel="personalized accuracy (mean over clients)", title="mean ± std over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(out_dir) / "comparison.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, Path(out_dir) / "comparison.png")
 
 
 # ---- pFedLA's aggregation weights (the paper's Figs. 5-7) -----------------------------------------------------------
@@ -180,10 +171,7 @@ def plot_alpha(run_dir: Path, layer: str | None = None, client: int = 0) -> list
     if n <= 12:
         ax.set_xticks(range(n))
         ax.set_yticks(range(n))
-    fig.tight_layout()
-    paths.append(run_dir / "alpha_heatmap.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, run_dir / "alpha_heatmap.png"))
 
     fig, ax = plt.subplots(figsize=(5.2 + 0.15 * n, 1.5 + 0.45 * len(layers)))
     im = ax.imshow(final[client], cmap="viridis", vmin=0, aspect="auto")
@@ -196,10 +184,7 @@ def plot_alpha(run_dir: Path, layer: str | None = None, client: int = 0) -> list
         for l in range(len(layers)):
             for j in range(n):
                 ax.text(j, l, f"{final[client, l, j]:.2f}", ha="center", va="center", fontsize=7, color="white")
-    fig.tight_layout()
-    paths.append(run_dir / "alpha_layers.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, run_dir / "alpha_layers.png"))
 
     part = json.loads((run_dir / "partition.json").read_text())
     groups = client_groups(part["label_sets"], client)
@@ -213,8 +198,5 @@ def plot_alpha(run_dir: Path, layer: str | None = None, client: int = 0) -> list
            title=f"client {client} (labels {part['label_sets'][client]}): whom it aggregates")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(run_dir / "alpha_evolution.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, run_dir / "alpha_evolution.png"))
     return paths
