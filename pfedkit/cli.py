@@ -13,7 +13,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "their baselines, simulated fast on one machine.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train one or several algorithms on the same data and compare them")
-    run.add_argument("config", nargs="?", help="YAML config (default: the embedded mnist5k comparison)")
+    run.add_argument("config", nargs="?", help="YAML config (default: the embedded mnist5k comparison, "
+                     "pfedkit/default.yaml = configs/default.yaml)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set local.lr=0.01 (repeatable)")
     run.add_argument("--algorithms", help="comma list of algorithms to compare, or 'all'")
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                 resume_experiment(args.resume)
             else:
                 seeds = [f"seeds={args.seeds}"] if args.seeds else []
-                cfg = load_config(args.config, args.overrides + seeds, args.algorithms)
+                config = args.config or Path(__file__).with_name("default.yaml")  # the embedded default job
+                cfg = load_config(config, args.overrides + seeds, args.algorithms)
                 run_experiment(cfg, args.out or default_out(cfg))
         elif args.command == "plot":
             from .report.plots import plot_comparison, plot_run

@@ -57,8 +57,12 @@ def test_every_preset_loads():
         load_config(p)
 
 
-def test_default_preset_is_the_embedded_default():
-    assert load_config(ROOT / "configs" / "default.yaml").to_dict() == load_config(None).to_dict()
+def test_default_preset_is_the_embedded_default_job():
+    assert (ROOT / "configs" / "default.yaml").read_text() == (ROOT / "pfedkit" / "default.yaml").read_text()
+    cfg = load_config(ROOT / "pfedkit" / "default.yaml")
+    # the default job: real MNIST digits, 10 clients, 4 classes each, the small CNN, every algorithm
+    assert (cfg.dataset.name, cfg.partition.num_clients, cfg.partition.classes_per_client, cfg.model.name,
+            cfg.algorithm) == ("mnist5k", 10, 4, "cnn", "all")
 
 
 def test_readme_documents_every_config_key():
