@@ -114,16 +114,18 @@ def batch_plan(sizes: list[int], offsets: list[int], hp: LocalConfig, gens: list
 
 class BatchedLoss:
     """Per-client mean cross-entropy and its gradient for a stack of flat parameter vectors, one vmap call for all
-    clients: `grads, losses = BatchedLoss(model)(params (C, P), x (C, B, ...), y (C, B), mask (C, B))`."""
+    clients: `grads, losses = BatchedLoss(model)(params (C, P), x (C, B, ...), y (C, B), mask (C, B))`.
+    The function is differentiated with respect to the named parameter tensors (views of the stack), not the flat
+    vector: slicing inside the differentiated function would cost a zero-filled (C, P) buffer per tensor."""
 
     def __init__(self, model: FlatModel):
         from torch.func import functional_call, grad_and_value, vmap
         if model.size != model.param_size:
             raise ValueError("batched training needs a model without buffers (BatchNorm): use the per-client path")
-        module, names = model.module, [(n, s, shape) for n, s, shape in model.names]
+        module = model.module
+        self.names = [(n, s, shape) for n, s, shape in model.names]
 
-        def loss(flat, x, y, mask):
-            params = {n: flat[s].view(shape) for n, s, shape in names}
+        def loss(params, x, y, mask):
             out = functional_call(module, params, (x,))
             per_sample = F.cross_entropy(out, y, reduction="none")
             return (per_sample * mask).sum() / mask.sum().clamp_min(1.0)
@@ -131,7 +133,10 @@ class BatchedLoss:
         self._fn = vmap(grad_and_value(loss))
 
     def __call__(self, params, x, y, mask):
-        return self._fn(params, x, y, mask)
+        c = len(params)
+        views = {n: params[:, s].view(c, *shape) for n, s, shape in self.names}
+        grads, losses = self._fn(views, x, y, mask)
+        return torch.cat([grads[n].reshape(c, -1) for n, _, _ in self.names], dim=1), losses
 
 
 def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_all: torch.Tensor,

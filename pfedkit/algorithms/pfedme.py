@@ -64,10 +64,13 @@ class PFedMe(Algorithm):
         """K steps towards the proximal point argmin_theta f(theta) + lambda/2 ||theta - w_loc||^2 (+ mu/2 ||theta||^2)
         on one mini-batch; `gradient(theta) -> (grad, loss)`. Returns (theta, summed loss of the K steps)."""
         p = self.params
+        keep, pull = 1 - p.personal_lr * (p.lamda + p.mu), p.personal_lr * p.lamda
+        theta = theta.clone()
         loss_sum = 0.0
         for _ in range(p.inner_steps):
             grad, loss = gradient(theta)
-            theta = theta - p.personal_lr * (grad + p.lamda * (theta - w_loc) + p.mu * theta)
+            # theta - plr (grad + lambda (theta - w_loc) + mu theta), in place: three passes, no temporaries
+            theta.mul_(keep).add_(w_loc, alpha=pull).sub_(grad, alpha=p.personal_lr)
             loss_sum = loss_sum + loss
         return theta, loss_sum
 
@@ -96,14 +99,13 @@ class PFedMe(Algorithm):
         idx, mask = cohort.plan(self.plan(cohort.hp))
         loss_sum = torch.zeros(len(sent), device=sent.device)
         steps = torch.zeros(len(sent), device=sent.device)
-        for t in range(idx.shape[0]):
+        step = cohort.hp.lr * self.params.lamda
+        for t in range(idx.shape[0]):  # R mini-batches; every client's stream has R of them (steps plan)
             x, y, m = data.x_train[idx[t]], data.y_train[idx[t]], mask[t]
-            active = (m.sum(1) > 0).to(sent.dtype)
-            moved, losses = self.personal_steps(theta, w_loc, lambda th: cohort.loss(th, x, y, m))
-            theta = torch.where(active[:, None] > 0, moved, theta)  # a client whose stream ended stays put
-            w_loc = w_loc - active[:, None] * cohort.hp.lr * self.params.lamda * (w_loc - theta)
-            loss_sum += active * losses
-            steps += active * self.params.inner_steps
+            theta, losses = self.personal_steps(theta, w_loc, lambda th: cohort.loss(th, x, y, m))
+            w_loc.mul_(1 - step).add_(theta, alpha=step)  # w_loc - eta lambda (w_loc - theta)
+            loss_sum += losses
+            steps += self.params.inner_steps
         sizes = data.train_sizes
         updates = [self._message(w_loc[i], theta[i], sent[i], int(sizes[c]), float(loss_sum[i] / steps[i].clamp_min(1)))
                    for i, c in enumerate(cohort.cids)]
