@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..config import Config, LocalConfig
@@ -65,6 +66,14 @@ class Cohort:
         convolutional models, which fill the cores on their own (measured: no gain on the CNN)."""
         dense = all(layer.kind == "linear" for layer in self.model.layers)
         return dense and self.model.size == self.model.param_size and len(self.cids) > 1
+
+    def lockstep_pays(self, hp: LocalConfig | None = None) -> bool:
+        """Lockstep runs as many steps as the longest stream: worth it while most clients are busy in most steps
+        (not for epochs over heavy-tailed client sizes, where one big client would keep the others waiting)."""
+        hp = hp or self.hp
+        sizes = self.data.train_sizes[self.cids]
+        steps = np.full(len(sizes), hp.steps) if hp.steps > 0 else hp.epochs * -(-sizes // hp.batch_size)
+        return steps.sum() >= 0.5 * len(steps) * steps.max()
 
     @property
     def loss(self) -> BatchedLoss:

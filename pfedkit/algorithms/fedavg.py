@@ -24,7 +24,7 @@ class FedAvg(Algorithm):
         return {"weights": weights, "num_samples": ctx.data.num_train, "train_loss": loss}, cstate
 
     def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
-        if not (cohort.batchable and self.lockstep):
+        if not (cohort.batchable and self.lockstep and cohort.lockstep_pays()):
             return super().client_update_many(payloads, cstates, cohort)
         starts = torch.stack([p["weights"] for p in payloads])
         trained, losses = cohort.train(starts, **self.local_terms(starts))

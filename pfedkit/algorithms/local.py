@@ -26,7 +26,7 @@ class Local(Algorithm):
         return {"num_samples": ctx.data.num_train, "train_loss": loss}, {"weights": weights}
 
     def client_update_many(self, payloads, cstates, cohort):
-        if not cohort.batchable:
+        if not (cohort.batchable and cohort.lockstep_pays()):
             return super().client_update_many(payloads, cstates, cohort)
         trained, losses = cohort.train(torch.stack([s["weights"] for s in cstates]))
         sizes = cohort.data.train_sizes
