@@ -99,7 +99,7 @@ class Config:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: str = "all"  # one name, a comma list, or "all" (every registered algorithm)
-    rounds: int = at_least(1, 40)
+    rounds: int = at_least(1, 30)
     clients_per_round: int = at_least(0, 0)  # 0 = every client every round; m draws for md/clustered sampling
     # which clients aggregate and with what weight: auto = the algorithm's own (uniform; pFedCS: clustered_similarity)
     sampling: str = choices("auto", "uniform", "md", "clustered_size", "clustered_similarity", default="auto")
