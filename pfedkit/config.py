@@ -104,6 +104,7 @@ class Config:
     # which clients aggregate and with what weight: auto = the algorithm's own (uniform; pFedCS: clustered_similarity)
     sampling: str = choices("auto", "uniform", "md", "clustered_size", "clustered_similarity", default="auto")
     clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
+    importance: str = choices("size", "equal", default="size")  # p_i: n_i / n (FedAvg, Fraboni) or 1 / N
     local: LocalConfig = field(default_factory=LocalConfig)
     eval_every: int = at_least(1, 1)
     target_acc: float = at_least(0.0, 0.0, high=1.0)  # > 0: summary.json reports the first round reaching it

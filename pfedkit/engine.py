@@ -166,7 +166,8 @@ class Run:
         name = cfg.algorithm_name
         self.algo = ALGORITHMS[name](cfg.params(name), self.model, data.num_clients, cfg)
         scheme = self.algo.default_sampling if cfg.sampling == "auto" else cfg.sampling
-        self.sampler = Sampler(scheme, data.train_sizes, cfg.clients_per_round, cfg.seed, cfg.clustering)
+        self.sampler = Sampler(scheme, data.train_sizes, cfg.clients_per_round, cfg.seed, cfg.clustering,
+                               cfg.importance)
         if self.sampler.needs_gradients and not self.algo.has_global_model:
             raise ConfigError(f"config key 'sampling': clustered_similarity compares clients' updates to a global "
                               f"model, which {name} does not have; allowed here: uniform, md, clustered_size")

@@ -348,18 +348,21 @@ def draw_from_distributions(r, rng: np.random.Generator) -> list[int]:
 class Sampler:
     """Who aggregates each round and with what weight, for any algorithm (`sampling` in the config).
 
-    - uniform: `per_round` distinct clients, weights proportional to their sample sizes (FedAvg's rule).
+    - uniform: `per_round` distinct clients, weights proportional to their importance (sample sizes: FedAvg's rule).
     - md: `per_round` draws from Categorical(p), p_i = n_i / n (Li et al.'s multinomial sampling).
+    `importance: equal` makes p uniform (every client counts the same, as in the unweighted accuracy metrics).
     - clustered_size / clustered_similarity: one draw from each of `per_round` distributions built by
       Fraboni et al.'s Algorithm 1 (sample sizes) or 2 (similarity of the clients' representative gradients).
     For the drawn schemes a client's weight is its number of draws / m: the aggregate is unbiased because the
     mean of the distributions is p. The draws depend only on (seed, round, distributions).
     """
 
-    def __init__(self, scheme: str, sizes: np.ndarray, per_round: int, seed: int, clustering=None):
+    def __init__(self, scheme: str, sizes: np.ndarray, per_round: int, seed: int, clustering=None,
+                 importance: str = "size"):
         self.scheme, self.seed = scheme, seed
         self.n = len(sizes)
-        self.sizes = np.asarray(sizes, dtype=np.float64)
+        # each client's importance p_i: its share of the data (FedAvg, Fraboni et al.) or the same for all
+        self.sizes = np.asarray(sizes, dtype=np.float64) if importance == "size" else np.ones(len(sizes))
         self.p = self.sizes / self.sizes.sum()
         self.m = per_round if 0 < per_round < self.n else self.n
         self.per_round = per_round

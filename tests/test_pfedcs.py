@@ -86,3 +86,11 @@ def test_pfedcs_comparison_on_synthetic_writes_the_papers_figures(tmp_path):
     assert (tmp_path / "comparison.png").is_file()
     # personal models: pFedMe-style methods evaluate theta~, not the global model
     assert summaries["pfedcs"]["personalized_acc"] != summaries["pfedcs"]["global_acc"]
+
+
+def test_equal_importance_weighs_clients_alike():
+    sizes = np.array([10, 30, 60, 100])
+    w = Sampler("uniform", sizes, 2, seed=0, importance="equal").select({}, 1)
+    assert list(w.values()) == [0.5, 0.5]
+    s = Sampler("clustered_size", sizes, 2, seed=0, importance="equal")
+    assert np.allclose(s.distributions({}, 1).mean(0), 0.25)
