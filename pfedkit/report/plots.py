@@ -83,8 +83,7 @@ def plot_comparison(out_dir: Path, run_dirs: list[Path]) -> Path:
         _curves(ax, ax2, read_metrics(run_dir), Path(run_dir).name)
     ax.set(xlabel="round", ylabel="test accuracy (mean over clients)",
            title="personalized (solid) and global (dashed) accuracy")
-    ax2.set(xlabel="round", ylabel="train loss", title="training loss (models on train data if eval_train, "
-            "else during local training)")
+    ax2.set(xlabel="round", ylabel="train loss", title="training loss")
     ax2.set_yscale("log")
     for a in (ax, ax2):
         a.grid(alpha=0.3)

@@ -14,18 +14,19 @@ def _pct(x: float | None) -> str:
 def comparison_markdown(summaries: list[dict], header: str = "") -> str:
     lines = [header, "",
              "| algorithm | personalized acc % (mean ± std over clients) | last-5 mean % | worst decile % "
-             "| global acc % | MB up | MB down | seconds | server s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| global acc % | global micro % | MB up | MB down | seconds | server s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         lines.append(
             f"| {s['algorithm']} | {_pct(s['personalized_acc'])} ± {_pct(s['personalized_acc_std'])} "
             f"| {_pct(s['final_last5'])} | {_pct(s['personalized_acc_p10'])} | {_pct(s['global_acc'])} "
-            f"| {s['mb_up_total']:.2f} | {s['mb_down_total']:.2f} | {s['wall_s']:.1f} | {s['server_s_total']:.2f} |")
+            f"| {_pct(s['global_acc_weighted'])} | {s['mb_up_total']:.2f} | {s['mb_down_total']:.2f} | {s['wall_s']:.1f} | {s['server_s_total']:.2f} |")
     if summaries:
-        lines.append(f"| *majority label (reference)* | {_pct(summaries[0]['majority_label_acc'])} | | | | 0 | 0 | | |")
+        lines.append(f"| *majority label (reference)* | {_pct(summaries[0]['majority_label_acc'])} | | | | | 0 | 0 | | |")
     lines += ["", "Personalized accuracy: each client's test accuracy with its personalized model, unweighted mean over "
               "all clients at the final round (± std over clients); last-5 mean: the mean of the last 5 evaluations; "
-              "worst decile: 10th percentile over clients. Global: the global model on every client's test split. "
+              "worst decile: 10th percentile over clients. Global: the global model on every client's test split (mean over "
+              "clients; micro: all test samples pooled, as pFedMe's code reports). "
               "MB: tensors that crossed the wire, all rounds. Majority label: each client always predicts its most "
               "frequent training label.", ""]
     return "\n".join(lines)
@@ -49,8 +50,8 @@ def _mean_std(values: list[float | None]) -> str:
 def write_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[str], header: str = "") -> Path:
     """Mean ± std over seeds of each algorithm's final values (each seed: its own partition, init, sampling)."""
     lines = [header, "",
-             "| algorithm | personalized acc % | last-5 mean % | worst decile % | global acc % | MB up | MB down "
-             "| seconds | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+             "| algorithm | personalized acc % | last-5 mean % | worst decile % | global acc % | global micro % "
+             "| MB up | MB down | seconds | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     majority = []
     for name in algorithms:
         runs = [json.loads((d / name / "summary.json").read_text()) for d in seed_dirs
@@ -61,11 +62,12 @@ def write_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list
         lines.append(
             f"| {name} | {_mean_std([r['personalized_acc'] for r in runs])} "
             f"| {_mean_std([r['final_last5'] for r in runs])} | {_mean_std([r['personalized_acc_p10'] for r in runs])} "
-            f"| {_mean_std([r['global_acc'] for r in runs])} | {np.mean([r['mb_up_total'] for r in runs]):.2f} "
+            f"| {_mean_std([r['global_acc'] for r in runs])} | {_mean_std([r['global_acc_weighted'] for r in runs])} "
+            f"| {np.mean([r['mb_up_total'] for r in runs]):.2f} "
             f"| {np.mean([r['mb_down_total'] for r in runs]):.2f} | {np.mean([r['wall_s'] for r in runs]):.1f} "
             f"| {len(runs)} |")
     if majority:
-        lines.append(f"| *majority label (reference)* | {_mean_std(majority)} | | | | 0 | 0 | | |")
+        lines.append(f"| *majority label (reference)* | {_mean_std(majority)} | | | | | 0 | 0 | | |")
     lines += ["", "Mean ± std over seeds of the final evaluation (each seed draws its own partition, initialization, "
               "client sampling and batches). Accuracies are unweighted means over all clients; see each seed's "
               "comparison.md for the spread over clients.", ""]
