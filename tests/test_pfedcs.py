@@ -94,3 +94,18 @@ def test_equal_importance_weighs_clients_alike():
     assert list(w.values()) == [0.5, 0.5]
     s = Sampler("clustered_size", sizes, 2, seed=0, importance="equal")
     assert np.allclose(s.distributions({}, 1).mean(0), 0.25)
+
+
+def test_resumed_pfedcs_run_equals_uninterrupted(tmp_path):
+    """The sampler's representative gradients are part of the checkpoint."""
+    from pfedkit.engine import TIMING_KEYS
+    from pfedkit.experiment import resume_experiment
+    cfg = load_config(None, SYNTH + ["rounds=5", "checkpoint_every=2", "pfedcs.local_rounds=3"], "pfedcs")
+    run_experiment(cfg, tmp_path / "full", log=lambda s: None)
+    run_experiment(cfg, tmp_path / "cut", log=lambda s: None, stop_after=3)
+    resume_experiment(tmp_path / "cut", log=lambda s: None)
+
+    def rows(d):
+        return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS}
+                for x in (d / "pfedcs" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows(tmp_path / "cut")) == 5 and rows(tmp_path / "cut") == rows(tmp_path / "full")
