@@ -69,9 +69,11 @@ def test_clustered_similarity_needs_a_global_model(tmp_path):
         Run(cfg.for_algorithm("pfedla"), prepare(cfg), tmp_path)
 
 
-def test_pfedcs_comparison_on_synthetic_writes_the_papers_figures(tmp_path):
+@pytest.mark.parametrize("model", ["mlr", "dnn"])
+def test_pfedcs_comparison_on_synthetic_writes_the_papers_figures(tmp_path, model):
     cfg = load_config(None, SYNTH + ["rounds=4", "plots=true", "eval_train=true", "target_acc=0.5",
-                                     "pfedcs.local_rounds=5", "pfedme.local_rounds=5", "clustering.clusters=6"],
+                                     "pfedcs.local_rounds=5", "pfedme.local_rounds=5", "clustering.clusters=6",
+                                     f"model.name={model}", "model.hidden=20"],
                       "pfedcs,pfedme,fedavg,fedprox,perfedavg")
     summaries = {s["algorithm"]: s for s in run_experiment(cfg, tmp_path, log=lambda s: None)}
     assert set(summaries) == {"pfedcs", "pfedme", "fedavg", "fedprox", "perfedavg"}
