@@ -47,19 +47,26 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = load_config(config, args.overrides + seeds, args.algorithms)
                 run_experiment(cfg, args.out or default_out(cfg))
         elif args.command == "plot":
-            from .report.plots import plot_comparison, plot_run
+            from .report.plots import plot_comparison, plot_run, plot_seed_comparison
             d = args.dir
             if not d.is_dir():
                 raise PfedkitError(f"{d} is not a folder")
-            runs = sorted(p for p in d.iterdir() if (p / "metrics.jsonl").is_file())
+            seed_dirs = sorted(p for p in d.glob("seed*") if p.is_dir())  # a multi-seed experiment
+            paths = []
             try:
-                paths = plot_run(d, args.layer, args.client) if (d / "metrics.jsonl").is_file() else []
-                for r in runs:
-                    paths += plot_run(r, args.layer, args.client)
+                for folder in [d] + seed_dirs:
+                    runs = sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").is_file())
+                    if (folder / "metrics.jsonl").is_file():
+                        paths += plot_run(folder, args.layer, args.client)
+                    for r in runs:
+                        paths += plot_run(r, args.layer, args.client)
+                    if runs:
+                        paths.append(plot_comparison(folder, runs))
             except ValueError as exc:
                 raise PfedkitError(str(exc)) from None
-            if runs:
-                paths.append(plot_comparison(d, runs))
+            if seed_dirs:
+                names = sorted({p.name for s in seed_dirs for p in s.iterdir() if (p / "metrics.jsonl").is_file()})
+                paths.append(plot_seed_comparison(d, seed_dirs, names))
             if not paths:
                 raise PfedkitError(f"{d} holds no metrics.jsonl (not a pfedkit run folder)")
             print("\n".join(map(str, paths)))

@@ -341,7 +341,8 @@ class Run:
         last = self.metrics[-1]
         tail = self.metrics[-5:]
         return {
-            "algorithm": self.cfg.algorithm, "dataset": self.data.name, "rounds": self.cfg.rounds,
+            "algorithm": self.cfg.algorithm, "dataset": self.data.name, "seed": self.cfg.seed,
+            "rounds": self.cfg.rounds,
             **{k: v for k, v in last.items() if k not in ("bytes_up", "bytes_down")},
             "final_last5": float(np.mean([r["personalized_acc"] for r in tail])),
             "global_acc_last5": (float(np.mean([r["global_acc"] for r in tail]))

@@ -114,3 +114,32 @@ def test_resume_of_a_folder_that_is_not_a_run_fails_clearly(tmp_path):
 def test_list_names_the_algorithms():
     result = pfedkit("list")
     assert result.returncode == 0 and "fedavg" in result.stdout and "mnist5k" in result.stdout
+
+
+def test_seeds_give_one_folder_each_and_a_mean_std_comparison_that_plot_redraws(tmp_path):
+    out = tmp_path / "exp"
+    result = pfedkit("run", "--algorithms", "local,fedavg", "--seeds", "0,1", "--set", "dataset.name=digits",
+                     "--set", "model.name=mlr", "--set", "rounds=3", *FAST, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    finals = {}
+    for seed in (0, 1):
+        for name in ("local", "fedavg"):
+            summary = json.loads((out / f"seed{seed}" / name / "summary.json").read_text())
+            assert summary["seed"] == seed
+            finals.setdefault(name, []).append(summary["personalized_acc"])
+        assert (out / f"seed{seed}" / "comparison.md").is_file()
+    # each seed draws its own partition: the clients' class histograms differ
+    parts = [json.loads((out / f"seed{s}" / "fedavg" / "partition.json").read_text())["train_counts"] for s in (0, 1)]
+    assert parts[0] != parts[1]
+    table = (out / "comparison.md").read_text()
+    for name, accs in finals.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.split("|")]
+        mean, std = (float(x) for x in cells[2].split("±"))
+        assert mean == pytest.approx(100 * sum(accs) / 2, abs=0.006)
+        assert std == pytest.approx(100 * abs(accs[0] - accs[1]) / 2, abs=0.006)
+        assert cells[-2] == "2"
+    (out / "comparison.png").unlink()
+    replot = pfedkit("plot", str(out))
+    assert replot.returncode == 0, replot.stderr
+    assert (out / "comparison.png").is_file() and (out / "seed1" / "comparison.png").is_file()

@@ -102,21 +102,29 @@ def plot_run(run_dir: Path, layer: str | None = None, client: int = 0) -> list[P
 
 
 def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[str]) -> Path:
-    """Mean personalized accuracy over seeds per round, with a ± std band, one line per algorithm."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    """Mean over seeds per round with a ± std band, one line per algorithm: personalized accuracy, and the global
+    model's accuracy for the algorithms that have one (pFedCS's claim is about the global model)."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for name in algorithms:
         runs = [read_metrics(d / name) for d in seed_dirs if (d / name / "metrics.jsonl").is_file()]
         if not runs:
             continue
         length = min(len(r) for r in runs)
         rounds = [row["round"] for row in runs[0][:length]]
-        acc = np.array([[row["personalized_acc"] for row in r[:length]] for r in runs])
-        line, = ax.plot(rounds, acc.mean(0), label=f"{name} ({len(runs)} seeds)")
-        ax.fill_between(rounds, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), color=line.get_color(),
-                        alpha=0.2)
-    ax.set(xlabel="round", ylabel="personalized accuracy (mean over clients)", title="mean ± std over seeds")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        color = None
+        for key, axis in (("personalized_acc", ax), ("global_acc", ax2)):
+            if any(r[length - 1][key] is None for r in runs):
+                continue
+            acc = np.array([[row[key] for row in r[:length]] for r in runs], dtype=float)
+            line, = axis.plot(rounds, acc.mean(0), color=color, label=f"{name} ({len(runs)} seeds)")
+            color = line.get_color()
+            axis.fill_between(rounds, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), color=color, alpha=0.2)
+    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)", title="personalized, mean ± std over seeds")
+    ax2.set(xlabel="round", title="global model, mean ± std over seeds")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+        if a.lines:
+            a.legend(fontsize=8)
     return _save(fig, Path(out_dir) / "comparison.png")
 
 
