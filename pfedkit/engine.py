@@ -25,7 +25,7 @@ from .algorithms import ALGORITHMS, Algorithm, ClientContext
 from .algorithms.base import Cohort
 from .config import Config, dump_config
 from .data import ClientData, FederatedData
-from .errors import ConfigError, PfedkitError, UpdateError
+from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from .models import FlatModel, build_model
 from .sampling import Sampler
 from .train import predict, seeded_generator
@@ -184,6 +184,7 @@ class Run:
         self.metrics: list[dict] = []
         self.totals = {"round": 0, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, "server_s": 0.0}
         self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / FAILED_FILE).unlink(missing_ok=True)
         atomic_write(self.out / "config.yaml", dump_config(self.cfg).encode())
         atomic_write(self.metrics_path, b"")
         self.observed.clear()
@@ -229,26 +230,30 @@ class Run:
         start = self.totals["round"]
         bar = tqdm(total=cfg.rounds, initial=start, desc=f"{cfg.algorithm:>10}", disable=not cfg.progress,
                    unit="round", dynamic_ncols=True, mininterval=0.5)
-        for rnd in range(start + 1, cfg.rounds + 1):
-            t0 = time.perf_counter()
-            stats = self._train_round(rnd)
-            t = self.totals
-            t["round"] = rnd
-            t["bytes_up"] += stats["bytes_up"]
-            t["bytes_down"] += stats["bytes_down"]
-            t["server_s"] += stats["server_s"]
-            if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
-                row = self._evaluate(rnd, stats, t0)
-                bar.set_postfix(pacc=f"{row['personalized_acc']:.3f}", refresh=False)
-            else:
-                t["wall_s"] += time.perf_counter() - t0
-            bar.update(1)
-            if (cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0) or rnd == cfg.rounds:
-                self._checkpoint()
-            if stop_after is not None and stop_after <= rnd < cfg.rounds:
-                bar.close()
-                return None
-        bar.close()
+        try:
+            for rnd in range(start + 1, cfg.rounds + 1):
+                t0 = time.perf_counter()
+                stats = self._train_round(rnd)
+                t = self.totals
+                t["round"] = rnd
+                t["bytes_up"] += stats["bytes_up"]
+                t["bytes_down"] += stats["bytes_down"]
+                t["server_s"] += stats["server_s"]
+                if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+                    row = self._evaluate(rnd, stats, t0)
+                    bar.set_postfix(pacc=f"{row['personalized_acc']:.3f}", refresh=False)
+                else:
+                    t["wall_s"] += time.perf_counter() - t0
+                bar.update(1)
+                if (cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0) or rnd == cfg.rounds:
+                    self._checkpoint()
+                if stop_after is not None and stop_after <= rnd < cfg.rounds:
+                    return None
+        except UpdateError as exc:  # recorded, so an experiment can report it beside the runs that finished
+            atomic_write(self.out / FAILED_FILE, str(exc).encode())
+            raise
+        finally:
+            bar.close()
         if not hasattr(self, "last_per_client"):  # resumed after the last evaluation: evaluate again
             self.last_per_client = evaluate(self.algo, self.state, self.cstates, self.data, self.model,
                                             adapt_context=lambda cid: self._adapt_context(cfg.rounds, cid))["per_client"]

@@ -15,3 +15,6 @@ class DataError(PfedkitError):
 
 class UpdateError(PfedkitError):
     """A client sent a malformed or non-finite update."""
+
+
+FAILED_FILE = "failed.txt"  # a run folder's record of the UpdateError that stopped it

@@ -10,7 +10,7 @@ import torch
 from .config import Config, dump_config, load_config
 from .data import FederatedData, build_federated
 from .engine import Run, atomic_write
-from .errors import ConfigError, PfedkitError
+from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from .report.plots import plot_comparison, plot_run, plot_seed_comparison
 from .report.tables import write_comparison, write_seed_comparison
 
@@ -38,7 +38,20 @@ def default_out(cfg: Config) -> Path:
 def run_experiment(cfg: Config, out: Path, *, resume: bool = False, data: FederatedData | None = None,
                    log: Callable[[str], None] = print, stop_after: int | None = None) -> list[dict]:
     """Train every algorithm of `cfg` into `out/<algorithm>/`, then write comparison.md and comparison.png.
-    With `seeds`, once per seed into `out/seed<s>/`, and the comparison gives mean ± std over the seeds."""
+    With `seeds`, once per seed into `out/seed<s>/`, and the comparison gives mean ± std over the seeds.
+    A run whose clients send non-finite updates is recorded (`failed.txt`) and the others still run; the
+    experiment then ends with an error naming it."""
+    summaries = _run_seeds(cfg, Path(out), resume, data, log, stop_after)
+    failed = sorted(Path(out).glob(f"**/{FAILED_FILE}"))
+    if failed:
+        first = failed[0]
+        raise UpdateError(f"{len(failed)} run(s) failed, e.g. {first.parent.relative_to(out)}: "
+                          f"{first.read_text()}; the other results are in {out}/comparison.md")
+    return summaries
+
+
+def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None, log: Callable[[str], None],
+               stop_after: int | None) -> list[dict]:
     seeds = cfg.seed_list()
     if not seeds:
         return _run_algorithms(cfg, Path(out), resume, data or prepare(cfg), log, stop_after)
@@ -71,10 +84,14 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
     for name in cfg.algorithms():
         run_dir = out / name
         run_dirs.append(run_dir)
-        if resume and (run_dir / "summary.json").is_file():
+        if resume and ((run_dir / "summary.json").is_file() or (run_dir / FAILED_FILE).is_file()):
             continue
         again = resume and (run_dir / "checkpoint.pt").is_file()
-        summary = Run(cfg.for_algorithm(name), data, run_dir).run(resume=again, stop_after=stop_after)
+        try:
+            summary = Run(cfg.for_algorithm(name), data, run_dir).run(resume=again, stop_after=stop_after)
+        except UpdateError as exc:  # e.g. a study's largest step size diverges: Run recorded it; run the others
+            log(f"{name}: {exc}")
+            continue
         if summary is None:  # stopped early on request
             return summaries
         summaries.append(summary)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pfedkit.config import load_config
 from pfedkit.engine import TIMING_KEYS, Run
-from pfedkit.errors import UpdateError
+from pfedkit.errors import FAILED_FILE, UpdateError
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import build_model
 from pfedkit.train import seeded_generator
@@ -113,6 +113,11 @@ def test_non_finite_update_is_rejected_with_client_and_round(tmp_path):
     cfg = small_cfg("local.lr=1e30", algorithms="fedavg")
     with pytest.raises(UpdateError, match=r"round 1: client \d+ .*non-finite.*local.lr"):
         Run(cfg.for_algorithm("fedavg"), prepare(cfg), tmp_path).run()
+    assert "non-finite" in (tmp_path / FAILED_FILE).read_text() and not (tmp_path / "summary.json").exists()
+    # a fresh run into the same folder clears the record
+    ok = small_cfg(algorithms="fedavg")
+    Run(ok.for_algorithm("fedavg"), prepare(ok), tmp_path).run()
+    assert not (tmp_path / FAILED_FILE).exists() and (tmp_path / "summary.json").is_file()
 
 
 def test_local_never_communicates_and_keeps_its_own_model(tmp_path):

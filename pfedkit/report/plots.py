@@ -106,7 +106,7 @@ def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[
     model's accuracy for the algorithms that have one (pFedCS's claim is about the global model)."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for name in algorithms:
-        runs = [read_metrics(d / name) for d in seed_dirs if (d / name / "metrics.jsonl").is_file()]
+        runs = [read_metrics(d / name) for d in seed_dirs if (d / name / "summary.json").is_file()]  # finished
         if not runs:
             continue
         length = min(len(r) for r in runs)

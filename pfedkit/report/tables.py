@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import FAILED_FILE
+
 
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.2f}"
@@ -17,12 +19,16 @@ def comparison_markdown(summaries: list[dict], header: str = "") -> str:
              "| global acc % | global micro % | MB up | MB down | seconds | server s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
+        if "failed" in s:
+            lines.append(f"| {s['algorithm']} | failed: {s['failed']} | | | | | | | | |")
+            continue
         lines.append(
             f"| {s['algorithm']} | {_pct(s['personalized_acc'])} ± {_pct(s['personalized_acc_std'])} "
             f"| {_pct(s['final_last5'])} | {_pct(s['personalized_acc_p10'])} | {_pct(s['global_acc'])} "
             f"| {_pct(s['global_acc_weighted'])} | {s['mb_up_total']:.2f} | {s['mb_down_total']:.2f} | {s['wall_s']:.1f} | {s['server_s_total']:.2f} |")
-    if summaries:
-        lines.append(f"| *majority label (reference)* | {_pct(summaries[0]['majority_label_acc'])} | | | | | 0 | 0 | | |")
+    done = [s for s in summaries if "failed" not in s]
+    if done:
+        lines.append(f"| *majority label (reference)* | {_pct(done[0]['majority_label_acc'])} | | | | | 0 | 0 | | |")
     lines += ["", "Personalized accuracy: each client's test accuracy with its personalized model, unweighted mean over "
               "all clients at the final round (± std over clients); last-5 mean: the mean of the last 5 evaluations; "
               "worst decile: 10th percentile over clients. Global: the global model on every client's test split (mean over "
@@ -33,8 +39,12 @@ def comparison_markdown(summaries: list[dict], header: str = "") -> str:
 
 
 def write_comparison(out_dir: Path, run_dirs: list[Path], header: str = "") -> Path:
-    summaries = [json.loads((Path(d) / "summary.json").read_text()) for d in run_dirs
-                 if (Path(d) / "summary.json").is_file()]
+    summaries = []
+    for d in map(Path, run_dirs):
+        if (d / "summary.json").is_file():
+            summaries.append(json.loads((d / "summary.json").read_text()))
+        elif (d / FAILED_FILE).is_file():
+            summaries.append({"algorithm": d.name, "failed": (d / FAILED_FILE).read_text()})
     path = Path(out_dir) / "comparison.md"
     path.write_text(comparison_markdown(summaries, header))
     return path
@@ -56,6 +66,9 @@ def write_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list
     for name in algorithms:
         runs = [json.loads((d / name / "summary.json").read_text()) for d in seed_dirs
                 if (d / name / "summary.json").is_file()]
+        failed = sum((d / name / FAILED_FILE).is_file() for d in seed_dirs)
+        if failed and not runs:
+            lines.append(f"| {name} | failed in every seed | | | | | | | | 0 |")
         if not runs:
             continue
         majority = [r["majority_label_acc"] for r in runs]
@@ -65,7 +78,7 @@ def write_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list
             f"| {_mean_std([r['global_acc'] for r in runs])} | {_mean_std([r['global_acc_weighted'] for r in runs])} "
             f"| {np.mean([r['mb_up_total'] for r in runs]):.2f} "
             f"| {np.mean([r['mb_down_total'] for r in runs]):.2f} | {np.mean([r['wall_s'] for r in runs]):.1f} "
-            f"| {len(runs)} |")
+            f"| {len(runs)}{f' ({failed} failed)' if failed else ''} |")
     if majority:
         lines.append(f"| *majority label (reference)* | {_mean_std(majority)} | | | | | 0 | 0 | | |")
     lines += ["", "Mean ± std over seeds of the final evaluation (each seed draws its own partition, initialization, "
