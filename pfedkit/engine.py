@@ -39,15 +39,14 @@ def tensor_bytes(message: dict[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in message.values() if isinstance(v, torch.Tensor))
 
 
-def check_update(update: dict[str, Any], cid: int, rnd: int) -> None:
+def check_update(update: dict[str, Any], cid: int, rnd: int, hint: str = "lower local.lr") -> None:
     for key, value in update.items():
         if isinstance(value, torch.Tensor):
             if not torch.isfinite(value).all():
                 raise UpdateError(f"round {rnd}: client {cid} sent non-finite values in '{key}' "
-                                  "(diverged training?); lower local.lr")
+                                  f"(diverged training?); {hint}")
         elif isinstance(value, float) and not math.isfinite(value):
-            raise UpdateError(f"round {rnd}: client {cid} reported a non-finite '{key}' (diverged training?); "
-                              "lower local.lr")
+            raise UpdateError(f"round {rnd}: client {cid} reported a non-finite '{key}' (diverged training?); {hint}")
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -282,7 +281,7 @@ class Run:
             new_updates, new_states = algo.client_update_many([payloads[c] for c in group],
                                                               [self.cstates[c] for c in group], cohort)
             for cid, update, cstate in zip(group, new_updates, new_states):
-                check_update(update, cid, rnd)
+                check_update(update, cid, rnd, self.algo.divergence_hint)
                 updates[cid], self.cstates[cid] = update, cstate
                 if "train_loss" in update:
                     stats["losses"].append((update["train_loss"], update.get("num_samples", 1)))

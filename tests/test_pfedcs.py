@@ -9,7 +9,7 @@ import torch
 
 from pfedkit.config import load_config
 from pfedkit.engine import Run
-from pfedkit.errors import ConfigError
+from pfedkit.errors import ConfigError, UpdateError
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.sampling import Sampler
 
@@ -111,3 +111,12 @@ def test_resumed_pfedcs_run_equals_uninterrupted(tmp_path):
         return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS}
                 for x in (d / "pfedcs" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows(tmp_path / "cut")) == 5 and rows(tmp_path / "cut") == rows(tmp_path / "full")
+
+
+def test_a_too_large_lambda_diverges_and_the_error_says_which_knobs_to_turn(tmp_path):
+    # personal_lr * lamda = 3: every inner step multiplies theta's distance to w_loc by -2 (the paper: "too large a
+    # lambda diverges")
+    cfg = load_config(None, ["dataset.name=digits", "model.name=mlr", "rounds=3", "progress=false", "plots=false",
+                             "pfedme.personal_lr=0.1", "pfedme.lamda=30"], "pfedme")
+    with pytest.raises(UpdateError, match=r"non-finite.*personal_lr or lamda"):
+        Run(cfg.for_algorithm("pfedme"), prepare(cfg), tmp_path).run()

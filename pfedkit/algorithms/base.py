@@ -103,6 +103,7 @@ class Algorithm:
     trains_all: bool = False
     default_sampling: ClassVar[str] = "uniform"  # what `sampling: auto` means for this algorithm
     adapts: ClassVar[bool] = False  # True: `adapt` fine-tunes the model on the client's train data before evaluation
+    divergence_hint: ClassVar[str] = "lower local.lr"  # what to change when a client's update is non-finite
 
     def __init__(self, params: Any, model: FlatModel, num_clients: int, cfg: Config):
         self.params = params

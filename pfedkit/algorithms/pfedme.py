@@ -42,6 +42,8 @@ class PFedCSParams(PFedMeParams):
 class PFedMe(Algorithm):
     name = "pfedme"
     Params = PFedMeParams
+    # each inner step keeps 1 - personal_lr (lamda + mu) of theta: beyond -1 (personal_lr * lamda > ~2) it diverges
+    divergence_hint = "lower personal_lr or lamda (personal_lr * lamda must stay below 2) or local.lr"
 
     def __init__(self, params, model, num_clients, cfg):
         super().__init__(params, model, num_clients, cfg)
