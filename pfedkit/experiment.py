@@ -42,7 +42,8 @@ def run_experiment(cfg: Config, out: Path, *, resume: bool = False, data: Federa
     A run whose clients send non-finite updates is recorded (`failed.txt`) and the others still run; the
     experiment then ends with an error naming it."""
     summaries = _run_seeds(cfg, Path(out), resume, data, log, stop_after)
-    failed = sorted(Path(out).glob(f"**/{FAILED_FILE}"))
+    folders = [Path(out) / f"seed{s}" for s in cfg.seed_list()] or [Path(out)]
+    failed = [f / name / FAILED_FILE for f in folders for name in cfg.algorithms() if (f / name / FAILED_FILE).is_file()]
     if failed:
         first = failed[0]
         raise UpdateError(f"{len(failed)} run(s) failed, e.g. {first.parent.relative_to(out)}: "
