@@ -54,6 +54,8 @@ def _mean_std(values: list[float | None]) -> str:
     vals = [v for v in values if v is not None]
     if not vals:
         return "–"
+    if len(vals) == 1:  # one seed: no spread to show
+        return f"{100 * vals[0]:.2f}"
     return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}"
 
 
