@@ -8,8 +8,8 @@ engine / bare (target >= 0.9 for the CNN on mnist5k).
     python benchmarks/bench_local_training.py [--rounds 4] [--repeats 3] [--models cnn,mlr,dnn,mlr-steps,dnn-steps]
 
 cnn/mlr/dnn: epochs over the clients' data (per-client path; Synthetic's heavy-tailed client sizes make lockstep
-not pay there); mlr-steps/dnn-steps: 20 mini-batch steps for each of 100 clients (the engine trains them in
-lockstep with torch.func.vmap).
+not pay there); mlr-steps/dnn-steps: 20 mini-batch steps for each of 100 clients, and mlr-s5/dnn-s5 for 5 of them
+per round (the engine trains a round's clients in lockstep: batched products, one autograd pass per step).
 """
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ SETTINGS = {
                   "model.name=mlr", "local.batch_size=20", "local.steps=20"],
     "dnn-steps": ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=100",
                   "model.name=dnn", "model.hidden=20", "local.batch_size=20", "local.steps=20"],
+    # the pFedCS paper's baselines: 5 of the 100 clients per round, 20 steps each (lockstep for 5 clients)
+    "mlr-s5": ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=100",
+               "model.name=mlr", "local.batch_size=20", "local.steps=20", "clients_per_round=5", "rounds=40"],
+    "dnn-s5": ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=100",
+               "model.name=dnn", "model.hidden=20", "local.batch_size=20", "local.steps=20", "clients_per_round=5",
+               "rounds=40"],
 }
 
 
@@ -82,15 +88,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--models", default="cnn,mlr,dnn,mlr-steps,dnn-steps")
+    ap.add_argument("--models", default="cnn,mlr,dnn,mlr-steps,dnn-steps,mlr-s5,dnn-s5")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     print(f"{'model':>9} {'steps':>7} {'bare steps/s':>13} {'engine steps/s':>15} {'ratio':>7}")
     for name in args.models.split(","):
-        cfg = load_config(None, SETTINGS[name] + [
+        cfg = load_config(None, [  # a setting may set its own rounds
             f"rounds={args.rounds}", f"local.epochs={args.epochs}", "progress=false", "plots=false",
-            f"eval_every={args.rounds}", "checkpoint_every=0", f"device={args.device}"], "fedavg")
+            "eval_every=1000", "checkpoint_every=0", f"device={args.device}"] + SETTINGS[name], "fedavg")
         data = prepare(cfg)
         bare_best, engine_best, steps = float("inf"), float("inf"), 0
         bare_fedavg(cfg, data)  # warm-up (allocator, kernels)

@@ -1,7 +1,7 @@
 """pFedMe/pFedCS local solver speed on Synthetic(0.4, 0.6), 100 clients, MLR and DNN: client-steps/s of
 - a bare PyTorch loop written like the official pFedMe code (nn.Module per client step, its optimizer rule),
 - pfedkit's per-client path (the one a Flower client runs), and
-- pfedkit's lockstep path (all clients at once, one torch.func.vmap gradient per inner step; the simulator's).
+- pfedkit's lockstep path (all clients at once, one batched gradient per inner step; the simulator's).
 All three do R = 20 mini-batches x K = 5 steps on |D| = 20 per client from the same start; the lockstep and
 per-client results are checked equal. Runs alternate and the best of each is kept.
 
@@ -79,7 +79,7 @@ def main() -> None:
         cstates = [algo.init_client(c, init) for c in range(data.num_clients)]
         steps = data.num_clients * algo.params.local_rounds * algo.params.inner_steps
         best = {"bare": float("inf"), "loop": float("inf"), "lockstep": float("inf")}
-        algo.client_update_many(payloads, cstates, cohort(cfg, data, fm))  # warm-up (vmap tracing)
+        algo.client_update_many(payloads, cstates, cohort(cfg, data, fm))  # warm-up
         for _ in range(args.repeats):
             best["bare"] = min(best["bare"], bare_loop(cfg, data))
             t0 = time.perf_counter()

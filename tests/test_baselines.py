@@ -31,7 +31,8 @@ def cohort_of(cfg, data, model, cids, rnd=1):
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("fedavg", []), ("fedprox", ["fedprox.mu=0.5"]), ("local", []), ("pfedme", []),
+    ("fedavg", []), ("fedprox", ["fedprox.mu=0.5"]), ("local", []), ("pfedme", []), ("perfedavg", []),
+    ("perfedavg", ["perfedavg.variant=hf", "perfedavg.beta=0.05"]),
     ("fedavg", ["local.steps=0", "local.epochs=1", "local.momentum=0.9", "local.weight_decay=0.01"]),
 ])
 def test_lockstep_training_equals_the_per_client_path(name, extra):

@@ -52,3 +52,30 @@ def test_same_seed_same_init_and_global_rng_untouched():
 def test_cnn_on_8x8_digits_is_a_clear_config_error():
     with pytest.raises(ConfigError, match="model.name.*mlr, dnn"):
         build_model(ModelConfig("cnn"), (1, 8, 8), 10, 0)
+
+
+@pytest.mark.parametrize("name, shape", [("mlr", (60,)), ("dnn", (1, 8, 8))])
+def test_batched_loss_gives_every_client_its_own_gradient_and_loss(name, shape):
+    """The lockstep path's gradients (batched products, one autograd pass) equal one backward per client."""
+    from pfedkit.algorithms.base import model_gradient
+    from pfedkit.train import BatchedLoss
+    fm = FlatModel(build_model(ModelConfig(name, hidden=16), shape, 10, 0))
+    gen = torch.Generator().manual_seed(0)
+    params = fm.state()[None] + 0.1 * torch.randn(4, fm.size, generator=gen)
+    x = torch.randn(4, 7, *shape, generator=gen)
+    y = torch.randint(0, 10, (4, 7), generator=gen)
+    mask = torch.ones(4, 7)
+    mask[1, 5:] = 0  # a short last batch
+    mask[3] = 0  # a client whose stream has ended: no loss, no gradient
+    grads, losses = BatchedLoss(fm)(params, x, y, mask)
+    for c in range(3):
+        keep = mask[c] > 0
+        g, loss = model_gradient(fm, params[c], x[c][keep], y[c][keep])
+        assert torch.allclose(grads[c], g, atol=1e-6) and losses[c].item() == pytest.approx(loss, rel=1e-5)
+    assert torch.all(grads[3] == 0) and losses[3] == 0
+
+
+def test_batched_loss_refuses_models_it_cannot_batch():
+    from pfedkit.train import BatchedLoss
+    with pytest.raises(ValueError, match="per-client path"):
+        BatchedLoss(FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)))

@@ -18,6 +18,7 @@ from ..models import FlatModel
 from ..train import BatchedLoss, batch_plan, batched_sgd, sgd
 
 Message = dict[str, Any]  # named tensors plus small scalars
+LOCKSTEP_MIN_CLIENTS = 3
 State = dict[str, Any]
 
 
@@ -46,7 +47,7 @@ class ClientContext:
 
 @dataclass
 class Cohort:
-    """The clients a round trains, for algorithms that train them in lockstep (torch.func.vmap) instead of one
+    """The clients a round trains, for algorithms that train them in lockstep (batched products) instead of one
     after another. Each client keeps its own seeded batch stream, so both paths see the same batches."""
     cids: list[int]
     round: int
@@ -61,11 +62,12 @@ class Cohort:
 
     @property
     def batchable(self) -> bool:
-        """Lockstep training for small dense models (MLR, DNN): there one client's step is too small to keep the
-        cores busy, and vmap makes it one step for all. Not for BatchNorm (running statistics are state) nor for
-        convolutional models, which fill the cores on their own (measured: no gain on the CNN)."""
-        dense = all(layer.kind == "linear" for layer in self.model.layers)
-        return dense and self.model.size == self.model.param_size and len(self.cids) > 1
+        """Lockstep training for small dense models (MLR, DNN: those with `forward_many`): there one client's step
+        is too small to keep the cores busy, and batched products make it one step for all. Not for BatchNorm
+        (running statistics are state) nor for convolutional models, which fill the cores on their own; not for
+        fewer than LOCKSTEP_MIN_CLIENTS clients, where the per-client path is as fast (measured)."""
+        return (hasattr(self.model.module, "forward_many") and self.model.size == self.model.param_size
+                and len(self.cids) >= LOCKSTEP_MIN_CLIENTS)
 
     def lockstep_pays(self, hp: LocalConfig | None = None) -> bool:
         """Lockstep runs as many steps as the longest stream: worth it while most clients are busy in most steps
@@ -77,7 +79,7 @@ class Cohort:
 
     @property
     def loss(self) -> BatchedLoss:
-        if getattr(self.model, "batched_loss", None) is None:  # build the vmapped function once per model
+        if getattr(self.model, "batched_loss", None) is None:  # one per model
             self.model.batched_loss = BatchedLoss(self.model)
         return self.model.batched_loss
 

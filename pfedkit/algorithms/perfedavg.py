@@ -12,12 +12,13 @@ steps is the epochs' batches / 2 (FO) or / 3 (HF), as FL-bench does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..config import LocalConfig, at_least, choices
 from ..train import batch_indices
-from .base import ClientContext, Message, State, model_gradient
+from .base import Algorithm, ClientContext, Cohort, Message, State, model_gradient
 from .fedavg import FedAvg
 
 
@@ -33,36 +34,65 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     Params = PerFedAvgParams
     adapts = True
-    lockstep = False  # meta-steps: the per-client path
+
+    @property
+    def batches_per_step(self) -> int:
+        return 2 if self.params.variant == "fo" else 3
+
+    def plan(self, hp: LocalConfig) -> LocalConfig:
+        """`local.steps` counts meta-steps (pFedMe's code), each taking `batches_per_step` batches."""
+        if hp.steps == 0:
+            return hp
+        return LocalConfig(epochs=0, steps=hp.steps * self.batches_per_step, batch_size=hp.batch_size, lr=hp.lr)
+
+    def meta_step(self, theta: torch.Tensor, alpha: float, grad, batches: list) -> tuple[torch.Tensor, Any]:
+        """One Per-FedAvg step from theta (one vector, or a stack of clients' vectors with a batched `grad`);
+        `grad(params, batch) -> (gradient, loss)`. Returns (new theta, loss at theta on the first batch)."""
+        p = self.params
+        g0, loss = grad(theta, batches[0])
+        g, _ = grad(theta - alpha * g0, batches[1])
+        if p.variant == "hf":
+            h = (grad(theta + p.delta * g, batches[2])[0] - grad(theta - p.delta * g, batches[2])[0]) / (2 * p.delta)
+            g = g - alpha * h
+        return theta - p.beta * g, loss
 
     def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
-        p, model, data, alpha = self.params, ctx.model, ctx.data, ctx.hp.lr
+        model, data = ctx.model, ctx.data
         sent = payload["weights"]
         model.load(sent)
-        P = model.param_size
-        theta = sent[:P].clone()
+        theta = sent[: model.param_size].clone()
 
         def grad(params, idx):
             return model_gradient(model, params, data.x_train[idx], data.y_train[idx])
 
-        per_step = 2 if p.variant == "fo" else 3
-        plan = ctx.hp
-        if plan.steps > 0:  # local.steps counts meta-steps (pFedMe's code), each taking `per_step` batches
-            plan = LocalConfig(epochs=0, steps=plan.steps * per_step, batch_size=plan.batch_size, lr=plan.lr)
-        batches = list(batch_indices(data.num_train, plan, ctx.gen, sent.device))
+        batches = list(batch_indices(data.num_train, self.plan(ctx.hp), ctx.gen, sent.device))
+        k = self.batches_per_step
         losses = []
-        for s in range(len(batches) // per_step):
-            b = batches[s * per_step: (s + 1) * per_step]
-            g0, loss = grad(theta, b[0])
-            g, _ = grad(theta - alpha * g0, b[1])
-            if p.variant == "hf":
-                h = (grad(theta + p.delta * g, b[2])[0] - grad(theta - p.delta * g, b[2])[0]) / (2 * p.delta)
-                g = g - alpha * h
-            theta = theta - p.beta * g
+        for s in range(len(batches) // k):
+            theta, loss = self.meta_step(theta, ctx.hp.lr, grad, batches[s * k: (s + 1) * k])
             losses.append(loss)
         weights = torch.cat([theta, model.vector[model.buffer_slice]])
         return {"weights": weights, "num_samples": data.num_train,
                 "train_loss": sum(losses) / len(losses) if losses else None}, cstate
+
+    def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
+        """The same meta-steps for all clients in lockstep (with `local.steps`, where every client takes as many)."""
+        if not (cohort.batchable and cohort.hp.steps > 0):
+            return Algorithm.client_update_many(self, payloads, cstates, cohort)
+        data, k = cohort.data, self.batches_per_step
+        theta = torch.stack([m["weights"] for m in payloads])
+        idx, mask = cohort.plan(self.plan(cohort.hp))
+
+        def grad(params, t):
+            return cohort.loss(params, data.x_train[idx[t]], data.y_train[idx[t]], mask[t])
+
+        loss_sum = torch.zeros(len(theta), device=theta.device)
+        for s in range(cohort.hp.steps):
+            theta, losses = self.meta_step(theta, cohort.hp.lr, grad, list(range(s * k, (s + 1) * k)))
+            loss_sum += losses
+        sizes = data.train_sizes
+        return [{"weights": theta[i], "num_samples": int(sizes[c]), "train_loss": float(loss_sum[i] / cohort.hp.steps)}
+                for i, c in enumerate(cohort.cids)], cstates
 
     def adapt(self, vector: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
         """`adapt_steps` SGD steps (lr alpha) from the global model on the client's train batches."""

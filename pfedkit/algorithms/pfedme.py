@@ -92,7 +92,7 @@ class PFedMe(Algorithm):
         return self._message(local, personal, sent, data.num_train, loss_sum / max(steps, 1)), {"personal": personal}
 
     def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
-        """The same solver for all clients in lockstep: one vmapped gradient per inner step."""
+        """The same solver for all clients in lockstep: one batched gradient per inner step."""
         if not cohort.batchable:
             return super().client_update_many(payloads, cstates, cohort)
         data = cohort.data

@@ -54,6 +54,10 @@ class MLR(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x.flatten(1))
 
+    def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Many clients' models at once: params[name] is (C, *shape), x is (C, B, ...); gives (C, B, classes)."""
+        return linear_many(params, "fc", x.flatten(2))
+
 
 class DNN(nn.Module):
     """pFedMe's `dnn`: flatten, Linear(in, hidden), ReLU, Linear(hidden, C)."""
@@ -67,6 +71,15 @@ class DNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+    def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Many clients' models at once (see MLR.forward_many)."""
+        return linear_many(params, "fc2", torch.relu(linear_many(params, "fc1", x.flatten(2))))
+
+
+def linear_many(params: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    """Each client's linear layer on its own batch: one batched matrix product for all clients."""
+    return torch.baddbmm(params[f"{name}.bias"].unsqueeze(1), x, params[f"{name}.weight"].transpose(1, 2))
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
