@@ -21,14 +21,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .algorithms import ALGORITHMS, Algorithm, ClientContext
+from .algorithms import ALGORITHMS, Algorithm
 from .algorithms.base import Cohort
 from .config import Config, dump_config
-from .data import ClientData, FederatedData
+from .data import FederatedData
 from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from .models import FlatModel, build_model
 from .sampling import Sampler
-from .train import predict, seeded_generator
+from .train import predict, predict_many, seeded_generator
 
 TIMING_KEYS = ("wall_s", "server_s", "eval_s")  # measure the machine, not the algorithm
 EVAL_CHUNK = 256  # clients whose personalized vectors are built at once during evaluation
@@ -65,9 +65,10 @@ def _sync(device: torch.device) -> None:
 
 
 def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedData, model: FlatModel, *,
-             adapt_context: Callable[[int], ClientContext] | None = None, train_loss: bool = False) -> dict:
+             adapt_cohort: Callable[[list[int]], Cohort] | None = None, train_loss: bool = False) -> dict:
     """Personalized accuracy of every client on its own test split, and the global model's where one exists;
-    with `train_loss`, also the models' mean loss on the clients' train splits (the papers' training-loss curves)."""
+    with `train_loss`, also the models' mean loss on the clients' train splits (the papers' training-loss curves).
+    Dense models (with `forward_many`) score a chunk of clients' own models in one batched pass."""
     test_offsets = torch.as_tensor(data.test_offsets, device=data.device)
     train_offsets = torch.as_tensor(data.train_offsets, device=data.device)
 
@@ -84,22 +85,39 @@ def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedD
         global_correct = per_client(predict(model, data.x_test, data.y_test)[0], test_offsets)
         if train_loss:
             global_loss = per_client(predict(model, data.x_train, data.y_train)[1], train_offsets)
-    correct, losses = [], []
+    batched = hasattr(model.module, "forward_many") and model.size == model.param_size
+    correct, losses = np.zeros(data.num_clients), np.zeros(data.num_clients)
+    scored: list[tuple[np.ndarray, torch.Tensor, torch.Tensor | None]] = []  # read back once, at the end
     for first in range(0, data.num_clients, EVAL_CHUNK):
         cids = list(range(first, min(first + EVAL_CHUNK, data.num_clients)))
-        for cid, vec in zip(cids, algo.personalized_many(state, cstates, cids)):
-            if algo.adapts:
-                vec = algo.adapt(vec, adapt_context(cid))
-            if vec is global_vec and global_correct is not None:
-                correct.append(torch.tensor(global_correct[cid]))
-                losses.append(torch.tensor(global_loss[cid] if train_loss else 0.0))
-                continue
+        vectors = algo.personalized_many(state, cstates, cids)
+        if algo.adapts:
+            vectors = algo.adapt_many(vectors, adapt_cohort(cids))
+        own = [(cid, vec) for cid, vec in zip(cids, vectors) if not (vec is global_vec and global_correct is not None)]
+        if len(own) < len(cids):  # the global model's scores are already there
+            rest = np.setdiff1d(cids, [cid for cid, _ in own])
+            correct[rest] = global_correct[rest]
+            losses[rest] = global_loss[rest] if train_loss else 0.0
+        if not own:
+            continue
+        ids = np.array([cid for cid, _ in own])
+        if batched:
+            stack = torch.stack([vec for _, vec in own])
+            hits = predict_many(model, stack, data.x_test, data.y_test, data.test_offsets[ids], data.test_sizes[ids])[0]
+            loss = (predict_many(model, stack, data.x_train, data.y_train, data.train_offsets[ids],
+                                 data.train_sizes[ids])[1] if train_loss else None)
+            scored.append((ids, hits, loss))
+            continue
+        for cid, vec in own:
             model.load(vec)
             c = data.client(cid)
-            correct.append(predict(model, c.x_test, c.y_test)[0].sum())
-            losses.append(predict(model, c.x_train, c.y_train)[1].sum() if train_loss else torch.tensor(0.0))
-    acc = torch.stack([t.double().cpu() for t in correct]).numpy() / test_sizes
-    loss = torch.stack([t.double().cpu() for t in losses]).numpy()
+            scored.append((np.array([cid]), predict(model, c.x_test, c.y_test)[0].sum()[None],
+                           predict(model, c.x_train, c.y_train)[1].sum()[None] if train_loss else None))
+    for ids, hits, loss in scored:
+        correct[ids] = hits.double().cpu().numpy()
+        if loss is not None:
+            losses[ids] = loss.double().cpu().numpy()
+    acc, loss = correct / test_sizes, losses
     row = {
         "personalized_acc": float(acc.mean()),
         "personalized_acc_weighted": float((acc * test_sizes).sum() / test_sizes.sum()),
@@ -173,6 +191,7 @@ class Run:
         self.ckpt_path = self.out / "checkpoint.pt"
         self.metrics_path = self.out / "metrics.jsonl"
         self.observed = ObservableLog(self.out)
+        self.train_only = data.train_only()  # what evaluation-time adaptation may read
 
     # -- state --------------------------------------------------------------------------------------------------
     def _fresh(self) -> None:
@@ -255,7 +274,7 @@ class Run:
             bar.close()
         if not hasattr(self, "last_per_client"):  # resumed after the last evaluation: evaluate again
             self.last_per_client = evaluate(self.algo, self.state, self.cstates, self.data, self.model,
-                                            adapt_context=lambda cid: self._adapt_context(cfg.rounds, cid))["per_client"]
+                                            adapt_cohort=lambda cids: self._adapt_cohort(cfg.rounds, cids))["per_client"]
         summary = self._summary()
         self.observed.pack()
         atomic_write(self.out / "summary.json", json.dumps(summary, indent=1).encode())
@@ -305,19 +324,17 @@ class Run:
         _sync(self.device)
         stats["server_s"] += time.perf_counter() - ts
 
-    def _adapt_context(self, rnd: int, cid: int) -> ClientContext:
-        """What a client may fine-tune on before it is evaluated: its train split only (the test split is not
-        even in reach), with a generator of its own for this evaluation."""
-        c = self.data.client(cid)
-        train_only = ClientData(c.x_train, c.y_train, c.x_test[:0], c.y_test[:0])
-        return ClientContext(cid, rnd, train_only, self.model, self.cfg.local,
-                             seeded_generator(self.cfg.seed, rnd, cid, 0xE7A1))
+    def _adapt_cohort(self, rnd: int, cids: list[int]) -> Cohort:
+        """What clients may fine-tune on before they are evaluated: their train splits only (the test splits are
+        not even in reach), each with a generator of its own for this evaluation."""
+        return Cohort(cids, rnd, self.train_only, self.model, self.cfg.local,
+                      [seeded_generator(self.cfg.seed, rnd, cid, 0xE7A1) for cid in cids])
 
     def _evaluate(self, rnd: int, stats: dict, t0: float) -> dict:
         """Evaluate every client, append the metrics row and the algorithm's observables."""
         te = time.perf_counter()
         result = evaluate(self.algo, self.state, self.cstates, self.data, self.model,
-                          adapt_context=lambda cid: self._adapt_context(rnd, cid), train_loss=self.cfg.eval_train)
+                          adapt_cohort=lambda cids: self._adapt_cohort(rnd, cids), train_loss=self.cfg.eval_train)
         _sync(self.device)
         eval_s = time.perf_counter() - te
         t = self.totals

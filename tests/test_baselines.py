@@ -2,11 +2,11 @@
 evaluation rules (Per-FedAvg adapts on train data only)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from pfedkit.algorithms import ALGORITHMS, Algorithm, Cohort
-from pfedkit.algorithms.pfedme import PFedMe
 from pfedkit.config import load_config
 from pfedkit.engine import Run
 from pfedkit.experiment import prepare
@@ -142,23 +142,66 @@ def test_perfedavg_evaluation_adapts_on_train_data_only(tmp_path):
     data = prepare(cfg)
     run = Run(cfg.for_algorithm("perfedavg"), data, tmp_path)
     seen = []
-    original = run.algo.adapt
+    original = run.algo.adapt_many
 
-    def spy(vector, ctx):
-        seen.append((ctx.data.x_test.numel(), ctx.data.num_train))
-        return original(vector, ctx)
+    def spy(vectors, cohort):
+        seen.append((cohort.data.x_test.numel(), len(cohort.cids), cohort.data.train_sizes[cohort.cids].min()))
+        for i in range(len(cohort.cids)):
+            assert cohort.client(i).data.x_test.numel() == 0 and cohort.client(i).data.num_train > 0
+        return original(vectors, cohort)
 
-    run.algo.adapt = spy
+    run.algo.adapt_many = spy
     run.run()
-    assert len(seen) == 8 and all(test == 0 and train > 0 for test, train in seen)  # the test split is out of reach
+    assert seen and all(test == 0 and train > 0 for test, _, train in seen)  # the test split is out of reach
+    assert sum(n for _, n, _ in seen) == 8  # every client adapts before it is evaluated
     # the adapted model is what is evaluated: it differs from the global model
     row = run.metrics[-1]
     assert row["personalized_acc"] != row["global_acc"]
     # and replacing every test sample leaves the adaptation unchanged
-    ctx = run._adapt_context(1, 4)
-    before = original(run.state["weights"], ctx)
+    before = original([run.state["weights"]] * 3, run._adapt_cohort(1, [2, 4, 6]))
     data.x_test.normal_()
-    assert torch.equal(before, original(run.state["weights"], run._adapt_context(1, 4)))
+    after = original([run.state["weights"]] * 3, Run(cfg.for_algorithm("perfedavg"), data, tmp_path / "b")
+                     ._adapt_cohort(1, [2, 4, 6]))
+    assert all(torch.equal(b, a) for b, a in zip(before, after))
+
+
+@pytest.mark.parametrize("name, extra", [("perfedavg", ["perfedavg.adapt_steps=3"]), ("pfedme", []), ("local", [])])
+def test_batched_evaluation_equals_one_client_at_a_time(tmp_path, monkeypatch, name, extra):
+    """Dense models score (and Per-FedAvg adapts) a chunk of clients in one batched pass: the same numbers as
+    loading each client's model in turn."""
+    from pfedkit.engine import evaluate
+    from pfedkit.models import nets
+    cfg = load_config(None, SYNTH + ["rounds=2", "eval_train=true", *extra], name)
+    data = prepare(cfg)
+    run = Run(cfg.for_algorithm(name), data, tmp_path)
+    run.run()
+
+    def score():
+        return evaluate(run.algo, run.state, run.cstates, data, run.model, train_loss=True,
+                        adapt_cohort=lambda cids: run._adapt_cohort(2, cids))
+
+    batched = score()
+    monkeypatch.delattr(nets.DNN, "forward_many")  # the per-client path: one model at a time
+    one_by_one = score()
+    assert batched["per_client"] == pytest.approx(one_by_one["per_client"], abs=1e-12)
+    for key, value in batched["row"].items():
+        assert value == pytest.approx(one_by_one["row"][key], rel=1e-5, abs=1e-7), key
+
+
+def test_predict_many_equals_predict_client_by_client_in_any_grouping():
+    from pfedkit.train import predict, predict_many
+    cfg, data, model, _ = setup("fedavg")
+    gen = torch.Generator().manual_seed(1)
+    vectors = model.state()[None] + 0.3 * torch.randn(data.num_clients, model.size, generator=gen)
+    ids = np.arange(data.num_clients)
+    for budget in (1, 500 * 60, 1 << 24):  # one client per group, a few, all at once
+        hits, losses = predict_many(model, vectors, data.x_train, data.y_train, data.train_offsets[ids],
+                                    data.train_sizes[ids], budget=budget)
+        for cid in ids:
+            model.load(vectors[cid])
+            c = data.client(cid)
+            correct, loss = predict(model, c.x_train, c.y_train)
+            assert hits[cid] == correct.sum() and losses[cid].item() == pytest.approx(loss.sum().item(), rel=1e-5)
 
 
 def test_every_comparison_table_has_the_majority_label_row(tmp_path):

@@ -151,6 +151,10 @@ class Algorithm:
         here; `ctx.data` then holds only the client's train split)."""
         return vector
 
+    def adapt_many(self, vectors: list[torch.Tensor], cohort: Cohort) -> list[torch.Tensor]:
+        """`adapt` for several clients (override to adapt them in lockstep); `cohort.data` holds no test splits."""
+        return [self.adapt(v, cohort.client(i)) for i, v in enumerate(vectors)]
+
     def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
         """The vector client `cid` is evaluated with."""
         return state["weights"]

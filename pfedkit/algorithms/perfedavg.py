@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..config import LocalConfig, at_least, choices
-from ..train import batch_indices
+from ..train import batch_indices, batched_sgd, sgd
 from .base import Algorithm, ClientContext, Cohort, Message, State, model_gradient
 from .fedavg import FedAvg
 
@@ -94,12 +94,21 @@ class PerFedAvg(FedAvg):
         return [{"weights": theta[i], "num_samples": int(sizes[c]), "train_loss": float(loss_sum[i] / cohort.hp.steps)}
                 for i, c in enumerate(cohort.cids)], cstates
 
+    def adapt_plan(self, hp: LocalConfig) -> LocalConfig:
+        """`adapt_steps` plain SGD steps (lr alpha) on the client's train batches."""
+        return LocalConfig(epochs=0, steps=self.params.adapt_steps, batch_size=hp.batch_size, lr=hp.lr)
+
     def adapt(self, vector: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
-        """`adapt_steps` SGD steps (lr alpha) from the global model on the client's train batches."""
-        plan = LocalConfig(epochs=0, steps=self.params.adapt_steps, batch_size=ctx.hp.batch_size, lr=ctx.hp.lr)
-        P = ctx.model.param_size
+        """The global model after `adapt_steps` SGD steps on the client's train batches."""
         ctx.model.load(vector)
-        theta = vector[:P].clone()
-        for idx in batch_indices(ctx.data.num_train, plan, ctx.gen, vector.device):
-            theta = theta - ctx.hp.lr * model_gradient(ctx.model, theta, ctx.data.x_train[idx], ctx.data.y_train[idx])[0]
-        return torch.cat([theta, ctx.model.vector[ctx.model.buffer_slice]])
+        sgd(ctx.model, ctx.data, self.adapt_plan(ctx.hp), ctx.gen)
+        return ctx.model.state()
+
+    def adapt_many(self, vectors: list[torch.Tensor], cohort: Cohort) -> list[torch.Tensor]:
+        if not cohort.batchable:
+            return super().adapt_many(vectors, cohort)
+        plan = self.adapt_plan(cohort.hp)
+        idx, mask = cohort.plan(plan)
+        adapted, _ = batched_sgd(cohort.loss, torch.stack(vectors), cohort.data.x_train, cohort.data.y_train, idx,
+                                 mask, plan)
+        return list(adapted)

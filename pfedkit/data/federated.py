@@ -5,6 +5,8 @@ All clients' training samples sit in one tensor, ordered by client, so client i'
 """
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +67,14 @@ class FederatedData:
         a, b = self.train_offsets[i], self.train_offsets[i + 1]
         c, d = self.test_offsets[i], self.test_offsets[i + 1]
         return ClientData(self.x_train[a:b], self.y_train[a:b], self.x_test[c:d], self.y_test[c:d])
+
+    def train_only(self) -> "FederatedData":
+        """The same clients without their test splits: what a client may fine-tune on before it is evaluated."""
+        view = copy.copy(self)
+        view.x_test, view.y_test = self.x_test[:0], self.y_test[:0]
+        view.test_offsets = np.zeros_like(self.test_offsets)
+        view.test_counts = np.zeros_like(self.test_counts)
+        return view
 
     def majority_label_accuracy(self) -> np.ndarray:
         """Per client: test accuracy of always predicting its most frequent training label (specs §3.8)."""
