@@ -95,36 +95,6 @@ def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = 409
     return torch.cat(correct), torch.cat(losses)
 
 
-@torch.no_grad()
-def predict_many(model: FlatModel, vectors: torch.Tensor, x: torch.Tensor, y: torch.Tensor, starts: np.ndarray,
-                 sizes: np.ndarray, budget: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each client, its own model (a row of `vectors`; a model with `forward_many`) on its own samples
-    x[start: start + size]: (correct predictions, summed cross-entropy) per client. Clients go in groups padded to
-    the group's largest, each group's gathered inputs within `budget` numbers."""
-    features = max(1, x[0].numel()) if len(x) else 1
-    correct = torch.zeros(len(vectors), device=vectors.device)
-    losses = torch.zeros(len(vectors), device=vectors.device)
-    sizes = np.asarray(sizes, dtype=np.int64)
-    i = 0
-    while i < len(vectors):
-        j, longest = i + 1, max(int(sizes[i]), 1)
-        while j < len(vectors) and (j + 1 - i) * max(longest, int(sizes[j])) * features <= budget:
-            longest, j = max(longest, int(sizes[j])), j + 1
-        steps = torch.arange(longest, device=x.device)
-        first = torch.as_tensor(np.asarray(starts[i:j], dtype=np.int64), device=x.device)
-        count = torch.as_tensor(sizes[i:j], device=x.device)
-        mask = steps[None] < count[:, None]
-        idx = (first[:, None] + torch.minimum(steps[None], (count[:, None] - 1).clamp_min(0))).clamp(0, max(len(y) - 1, 0))
-        c = j - i
-        out = model.module.forward_many({n: vectors[i:j, s].view(c, *shape) for n, s, shape in model.names}, x[idx])
-        target = y[idx]
-        correct[i:j] = ((out.argmax(-1) == target) & mask).sum(1).to(correct.dtype)
-        per_sample = F.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="none").view(c, longest)
-        losses[i:j] = (per_sample * mask).sum(1)
-        i = j
-    return correct, losses
-
-
 # ---- many clients in lockstep (batched matrix products) ------------------------------------------------------------
 
 def batch_plan(sizes: list[int], offsets: list[int], hp: LocalConfig, gens: list[torch.Generator],
