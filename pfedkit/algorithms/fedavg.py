@@ -13,7 +13,6 @@ from .base import Algorithm, ClientContext, Cohort, Message, State, weighted_ave
 
 class FedAvg(Algorithm):
     name = "fedavg"
-    lockstep = True  # the cohort may train in lockstep (same steps as the per-client path)
 
     def local_terms(self, start: torch.Tensor) -> dict:
         """Extra terms of the local objective, given where training starts (one vector or a stack)."""
@@ -24,7 +23,7 @@ class FedAvg(Algorithm):
         return {"weights": weights, "num_samples": ctx.data.num_train, "train_loss": loss}, cstate
 
     def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
-        if not (cohort.batchable and self.lockstep and cohort.lockstep_pays()):
+        if not (cohort.batchable and cohort.lockstep_pays()):
             return super().client_update_many(payloads, cstates, cohort)
         starts = torch.stack([p["weights"] for p in payloads])
         trained, losses = cohort.train(starts, **self.local_terms(starts))
