@@ -18,8 +18,8 @@ from ..models import FlatModel
 from ..train import BatchedLoss, batch_plan, batched_sgd, sgd
 
 Message = dict[str, Any]  # named tensors plus small scalars
-LOCKSTEP_MIN_CLIENTS = 3
 State = dict[str, Any]
+LOCKSTEP_MIN_CLIENTS = 3  # below this the per-client path is as fast as lockstep (measured on MLR and DNN)
 
 
 @dataclass

@@ -6,7 +6,6 @@ All clients' training samples sit in one tensor, ordered by client, so client i'
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass
 
 import numpy as np
