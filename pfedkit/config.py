@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from .errors import ConfigError
 DATASETS = ("mnist5k", "fmnist", "synthetic", "digits", "mnist", "emnist", "cifar10", "cifar100", "leaf")
 SCHEMES = ("classes", "dominant", "dirichlet", "powerlaw_labels", "chain", "iid", "natural")
 MODELS = ("cnn", "cnn_bn", "mlr", "dnn")
+INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: str.isdigit() also takes '²' and '١٢'
 
 
 def choices(*values: str, default: Any) -> Any:
@@ -35,8 +37,8 @@ class SyntheticConfig:
     """FedProx Synthetic(alpha, beta) (specs §3.4); one natural client per generated user."""
     alpha: float = at_least(0.0, 0.4)
     beta: float = at_least(0.0, 0.6)
-    features: int = at_least(1, 60)
-    classes: int = at_least(2, 10)
+    features: int = at_least(1, 60, high=100_000)
+    classes: int = at_least(2, 10, high=10_000)
     size_factor: int = at_least(1, 5)  # pFedMe's 100-user version multiplies sizes by 5; FedProx's by 1
 
 
@@ -91,6 +93,11 @@ class ClusteringConfig:
     distance: str = choices("cosine", "l2", "l1", default="cosine")
     linkage_input: str = choices("rows", "condensed", default="rows")  # rows: Ward on the distance matrix's rows
     clusters: int = at_least(0, 0)  # 0: Fraboni's cut (subtrees of weight <= 1/m); > 0: this many clusters
+    # the representative gradient G_i: the client's update w_loc - w (Fraboni et al.'s code), or `centered`: minus
+    # the importance-weighted mean of all clients' (the pFedCS paper's eq. 4, grad F_i(w) - grad F(w))
+    representative: str = choices("update", "centered", default="update")
+    # rows of the kept clusters: heaviest first, or `reference`: lightest first, as Fraboni et al.'s code does
+    kept_order: str = choices("heaviest_first", "reference", default="heaviest_first")
 
 
 @dataclass
@@ -175,7 +182,11 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"config key 'algorithm': {spec!r}: expected name@key=value[+key=value]")
-        overrides[key.strip()] = yaml.safe_load(value)
+        try:
+            overrides[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"config key 'algorithm': {spec!r}: {key.strip()}={value!r} is not a YAML value "
+                              "(e.g. 2, 0.5, true, name)") from None
     return name.strip(), overrides
 
 
@@ -210,7 +221,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-                                           or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+                                           or (isinstance(value, str) and INTEGER.fullmatch(value.strip()))):
             raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
         return int(value)
     if tp is float:
@@ -218,7 +229,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an integer too large for a float
             raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
     if tp is str:
         if isinstance(value, (dict, list)):
@@ -227,17 +238,30 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+_INF = float("inf")
+
+
+def _range_text(meta: Any) -> str:
+    """'> 0', '>= 0 and <= 0.9', or '' for a key without a range."""
+    if "min" not in meta:
+        return ""
+    low, high = meta["min"], meta.get("max")
+    low_txt = f"> {low}" if meta.get("open_low") else f">= {low}"
+    return low_txt + (f" and <= {high}" if high is not None else "")
+
+
 def _check_range(value: Any, f: dataclasses.Field, key: str) -> None:
     meta = f.metadata
     if "choices" in meta and value not in meta["choices"]:
         raise ConfigError(f"config key '{key}': {value!r} is not allowed; allowed: {', '.join(meta['choices'])}")
+    if isinstance(value, float) and not -_INF < value < _INF:  # nan passes every comparison below
+        raise ConfigError(f"config key '{key}': {value!r} is not allowed; allowed: a finite number "
+                          f"{_range_text(meta)}".rstrip())
     if value is None or "min" not in meta:
         return
     low, high = meta["min"], meta.get("max")
     if value < low or (meta.get("open_low") and value == low) or (high is not None and value > high):
-        low_txt = f"> {low}" if meta.get("open_low") else f">= {low}"
-        high_txt = f" and <= {high}" if high is not None else ""
-        raise ConfigError(f"config key '{key}': {value!r} is out of range; allowed: {low_txt}{high_txt}")
+        raise ConfigError(f"config key '{key}': {value!r} is out of range; allowed: {_range_text(meta)}")
 
 
 def build(cls: type, data: dict | None, prefix: str = "") -> Any:
@@ -281,15 +305,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), algor
     """Defaults, then the YAML file, then `--set` overrides, then `--algorithms`; validated as a whole."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys at the top level")
+        raw = _read_yaml(Path(path))
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
@@ -301,6 +317,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), algor
     if algorithms is not None:
         raw["algorithm"] = algorithms
     return from_dict(raw)
+
+
+def _read_yaml(path: Path) -> dict:
+    """The top-level mapping of a YAML config file; every way the file can be wrong is one line naming it."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give the path of a YAML file, e.g. configs/default.yaml")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}; fix it there") from None
+    if raw is None:
+        raise ConfigError(f"config file {path} holds no keys; write some (see configs/default.yaml), "
+                          "or leave the file out to run the defaults")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys at the top level (key: value lines), "
+                          f"not a {type(raw).__name__}")
+    return raw
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """'line 3, column 5: mapping values are not allowed here' (PyYAML's marks count from 0)."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        problem = ": ".join(filter(None, (getattr(exc, "context", None), exc.problem)))
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow, e.g. a NUL byte
+        return f"character {exc.position}: {exc.reason} (#x{exc.character:04x})"
+    return str(exc).splitlines()[0]
 
 
 def from_dict(raw: dict) -> Config:
@@ -347,7 +400,8 @@ def validate(cfg: Config) -> None:
         if not cfg.dataset.train_file or not cfg.dataset.test_file:
             raise ConfigError("config key 'dataset.train_file': dataset leaf needs dataset.train_file and "
                               "dataset.test_file (the JSON files of LEAF, FedProx or pFedMe)")
-    if not all(x.strip().isdigit() for x in cfg.seeds.split(",")) and cfg.seeds.strip():
+    if not all(INTEGER.fullmatch(x.strip()) and not x.strip().startswith("-") for x in cfg.seeds.split(",")) \
+            and cfg.seeds.strip():
         raise ConfigError(f"config key 'seeds': {cfg.seeds!r} is not allowed; allowed: a comma list of integers "
                           ">= 0, e.g. 0,1,2")
     if p.test_fraction == 0 and p.eval_split == "test":

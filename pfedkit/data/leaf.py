@@ -43,6 +43,7 @@ _EMPTY_FIELD = re.compile(rb"[\[,][ \t\n\r]*[,\]]")
 _BRACKETS_TO_SPACE = bytes.maketrans(b"[]", b"  ")
 _JSON_WS = b" \t\n\r"
 _MAX_EXACT_INT = 2.0 ** 53
+MAX_CLASSES = 100_000  # a label of 10**9 would size a 10**9-class output layer and one-hot / bincount arrays
 
 
 class _Scanner:
@@ -343,7 +344,8 @@ def load_leaf(train_path: str | Path, test_path: str | Path
 
     Sample order: every user's train samples (users in the train file's order), then every user's test samples
     (same user order). x float32 (N, d), y int64 (N,), groups int64 (N,) the index of the sample's user in `users`,
-    is_test bool (N,). Both files must hold the same users, rows of the same length, and labels >= 0.
+    is_test bool (N,). Both files must hold the same users, rows of the same length, finite features (JSON's NaN and
+    Infinity are read, then refused here) and labels 0..MAX_CLASSES-1.
     """
     train_path, test_path = Path(train_path), Path(test_path)
     train = read_leaf_json(train_path)
@@ -363,6 +365,15 @@ def load_leaf(train_path: str | Path, test_path: str | Path
                 dims.setdefault(x.shape[1], (path, u))
             if len(y) and y.min() < 0:
                 raise DataError(f"LEAF file {path}: user {u!r} has a negative label ({y.min()}); labels must be >= 0")
+            if len(y) and y.max() >= MAX_CLASSES:  # labels size the model's output and per-class counts
+                distinct = len(np.unique(np.concatenate([s[v][1] for s in (train, test) for v in users])))
+                raise DataError(f"LEAF file {path}: user {u!r} has label {y.max()}, but labels must be 0..N-1 with "
+                                f"N <= {MAX_CLASSES} classes (the files hold {distinct} distinct labels); "
+                                f"renumber them 0..{distinct - 1}")
+            finite = np.isfinite(x).all(axis=1)
+            if not finite.all():  # would train to NaN and look like a too-large learning rate
+                raise DataError(f"LEAF file {path}: user {u!r} holds non-finite features (NaN/inf, or beyond "
+                                f"float32's range) in row {int(np.argmin(finite))}; fix or drop that row")
     if len(dims) > 1:
         (d0, (p0, u0)), (d1, (p1, u1)) = list(dims.items())[:2]
         raise DataError(f"LEAF files: user {u0!r} in {p0} has rows of {d0} values but user {u1!r} in {p1} has {d1}")

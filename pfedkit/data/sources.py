@@ -17,6 +17,7 @@ from ..config import DatasetConfig
 from ..errors import DataError
 
 FMNIST_DEBIAN_ROOT = "/usr/share/datasets/fashion-mnist"
+CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 
 
 @dataclass
@@ -56,6 +57,10 @@ def _check(src: Source) -> None:
     if src.y.min() < 0 or src.y.max() >= src.num_classes:
         raise DataError(f"dataset '{src.name}': labels outside 0..{src.num_classes - 1} "
                         f"(found {src.y.min()}..{src.y.max()}); the files are not this dataset")
+    finite = np.isfinite(src.x).all(axis=tuple(range(1, src.x.ndim)))
+    if not finite.all():  # NaN/inf would train to NaN and look like a too-large learning rate
+        raise DataError(f"dataset '{src.name}': sample {int(np.argmin(finite))} holds non-finite features "
+                        "(NaN/inf); the files are damaged: get them again")
 
 
 def standardize(images: np.ndarray, scale: float) -> np.ndarray:
@@ -97,7 +102,7 @@ def _find(root: Path, stem: str, subdirs: tuple[str, ...]) -> Path | None:
 
 
 def _idx_pair(name: str, root: Path, prefix: str, subdirs: tuple[str, ...], how: str) -> tuple[np.ndarray, np.ndarray]:
-    images, labels = [], []
+    images, labels, files = [], [], []
     for split in ("train", "t10k") if not prefix else ("train", "test"):
         img_stem = f"{prefix}{split}-images-idx3-ubyte"
         lab_stem = f"{prefix}{split}-labels-idx1-ubyte"
@@ -112,6 +117,11 @@ def _idx_pair(name: str, root: Path, prefix: str, subdirs: tuple[str, ...], how:
                             "expected (N, H, W) images and N labels")
         images.append(x)
         labels.append(y)
+        files.append(img)
+    if images[0].shape[1:] != images[1].shape[1:]:  # the two splits are pooled: they must be the same dataset
+        (h0, w0), (h1, w1) = images[0].shape[1:], images[1].shape[1:]
+        raise DataError(f"dataset '{name}': {files[0]} holds {h0}x{w0} images but {files[1]} holds {h1}x{w1}; "
+                        f"both splits must come from the same dataset: {how}")
     return np.concatenate(images), np.concatenate(labels).astype(np.int64)
 
 
@@ -153,16 +163,94 @@ def _emnist(cfg: DatasetConfig, seed: int) -> Source:
 
 # ---- CIFAR python batches ----------------------------------------------------------------------------------------
 
+# The globals a CIFAR batch asks for, whichever numpy or pickle protocol wrote it (numpy.core before numpy 2,
+# numpy._core after; protocol 5 rebuilds arrays with _frombuffer): numpy array and scalar reconstruction, taken
+# from this numpy's own __reduce__ so that the old names need not import.
+_CIFAR_GLOBALS = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+for _core in ("core", "_core"):
+    _CIFAR_GLOBALS[(f"numpy.{_core}.multiarray", "_reconstruct")] = np.zeros(1).__reduce__()[0]
+    _CIFAR_GLOBALS[(f"numpy.{_core}.multiarray", "scalar")] = np.uint8(0).__reduce__()[0]
+    _CIFAR_GLOBALS[(f"numpy.{_core}.numeric", "_frombuffer")] = np.zeros(1).__reduce_ex__(5)[0]
+del _core
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Plain `pickle.load` calls whatever a file names, so a crafted batch could run any code. This one builds only
+    containers and scalars (pickle opcodes, not globals) and numpy arrays (`_CIFAR_GLOBALS`); nothing else loads."""
+
+    def __init__(self, fh, path: Path):
+        super().__init__(fh, encoding="bytes")
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _CIFAR_GLOBALS:
+            return _CIFAR_GLOBALS[(module, name)]
+        if (module, name) == ("_codecs", "encode"):  # how Python 3's protocol 2 spells bytes: latin1 only
+            return _latin1
+        raise DataError(f"{self.path}: refused to load: it asks for {module}.{name}, which a CIFAR batch never "
+                        f"holds (a crafted file?); delete it and download the batches again from {CIFAR_URL}")
+
+
+def _latin1(text: str, encoding: str = "latin1") -> bytes:
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r}")
+    return text.encode("latin1")
+
+
 def _unpickle(path: Path) -> dict:
     with open(path, "rb") as fh:
         try:
-            return pickle.load(fh, encoding="bytes")
+            return _CifarUnpickler(fh, path).load()
+        except DataError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-            raise DataError(f"{path} is not a CIFAR python batch ({exc.__class__.__name__})") from None
+            raise DataError(f"{path} is not a CIFAR python batch ({exc.__class__.__name__}); "
+                            f"download it again from {CIFAR_URL}") from None
+
+
+_NOT_CIFAR = "the file is not a CIFAR python batch: download it again"
+
+
+def _cifar_images(value, path: Path, name: str) -> np.ndarray:
+    """A batch's b"data": uint8 (N, 3072), or a list of such rows of ints 0..255; nothing is cast silently."""
+    expected = f"expected a uint8 array of shape (N, 3072); {_NOT_CIFAR}"
+    kind = type(value).__name__
+    if isinstance(value, list):
+        try:
+            value = np.asarray(value)
+        except (ValueError, TypeError, OverflowError):  # ragged rows
+            raise DataError(f"dataset '{name}': {path} holds 'data' that is a ragged list; {expected}") from None
+        if value.dtype.kind in "iu" and value.size and (value.min() < 0 or value.max() > 255):
+            raise DataError(f"dataset '{name}': {path} holds 'data' values {value.min()}..{value.max()}, "
+                            f"outside 0..255; {expected}")
+        if value.dtype.kind in "iu" or value.size == 0:
+            value = value.astype(np.uint8)
+    if not isinstance(value, np.ndarray) or value.dtype != np.uint8:
+        dtype = f" of dtype {value.dtype}" if isinstance(value, np.ndarray) else ""
+        raise DataError(f"dataset '{name}': {path} holds 'data' of type {kind}{dtype}; {expected}")
+    if value.ndim != 2 or value.shape[1] != 3072:
+        raise DataError(f"dataset '{name}': {path} holds data of shape {value.shape}, expected (N, 3072)")
+    return value
+
+
+def _cifar_labels(value, n: int, classes: int, path: Path, name: str, key: str) -> np.ndarray:
+    """A batch's labels: a list (or 1-D array) of n integers 0..classes-1."""
+    try:
+        labels = np.asarray(value) if isinstance(value, (list, np.ndarray)) else None
+    except (ValueError, TypeError, OverflowError):  # ragged
+        labels = None
+    if labels is None or labels.ndim != 1 or (labels.dtype.kind not in "iu" and labels.size):
+        raise DataError(f"dataset '{name}': {path} holds '{key}' that is not a list of integer labels; {_NOT_CIFAR}")
+    if len(labels) != n:
+        raise DataError(f"dataset '{name}': {path} holds {n} images but {len(labels)} labels")
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        raise DataError(f"dataset '{name}': {path} holds labels outside 0..{classes - 1} "
+                        f"(found {labels.min()}..{labels.max()}); the files are not this dataset")
+    return labels.astype(np.int64)
 
 
 def _cifar(name: str, cfg: DatasetConfig, folder: str, files: list[str], label_key: bytes, classes: int) -> Source:
-    how = (f"download the CIFAR 'python version' from https://www.cs.toronto.edu/~kriz/cifar.html, "
+    how = (f"download the CIFAR 'python version' from {CIFAR_URL}, "
            f"unpack it and set dataset.root to the folder holding {folder}/")
     root = _root(cfg, None, how)
     base = root / folder if (root / folder).is_dir() else root
@@ -173,15 +261,10 @@ def _cifar(name: str, cfg: DatasetConfig, folder: str, files: list[str], label_k
             raise DataError(f"dataset '{name}': {path} not found; {how}")
         batch = _unpickle(path)
         if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
-            raise DataError(f"dataset '{name}': {path} lacks the 'data' or '{label_key.decode()}' entry")
-        data = np.asarray(batch[b"data"], dtype=np.uint8)
-        if data.ndim != 2 or data.shape[1] != 3072:
-            raise DataError(f"dataset '{name}': {path} holds data of shape {data.shape}, expected (N, 3072)")
-        labels = np.asarray(batch[label_key], dtype=np.int64)
-        if len(labels) != len(data):
-            raise DataError(f"dataset '{name}': {path} holds {len(data)} images but {len(labels)} labels")
+            raise DataError(f"dataset '{name}': {path} lacks the 'data' or '{label_key.decode()}' entry; {_NOT_CIFAR}")
+        data = _cifar_images(batch[b"data"], path, name)
+        ys.append(_cifar_labels(batch[label_key], len(data), classes, path, name, label_key.decode()))
         xs.append(data.reshape(-1, 3, 32, 32))
-        ys.append(labels)
     return Source(name, standardize(np.concatenate(xs), 255.0), np.concatenate(ys), classes)
 
 

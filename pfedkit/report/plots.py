@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..errors import PfedkitError  # noqa: E402
+
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
@@ -19,8 +21,22 @@ def _save(fig, path: Path) -> Path:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows; a line that is not a JSON row (a run killed mid-write, an edit) is one PfedkitError."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            problem = None if isinstance(row, dict) and "round" in row else "is not a metrics row (no 'round')"
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            problem = "is not valid JSON (truncated file?)"
+        if problem:
+            raise PfedkitError(f"{path}: line {i} {problem}; finish the run with `pfedkit run --resume "
+                               f"{path.parent}`, which rewrites the log from its checkpoint, or delete that line")
+        rows.append(row)
+    return rows
 
 
 def _curves(ax_acc, ax_loss, rows: list[dict], label: str, color=None) -> None:
@@ -101,9 +117,15 @@ def plot_run(run_dir: Path, layer: str | None = None, client: int = 0) -> list[P
     return paths
 
 
+def seed_band(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, sample std) over seeds (axis 0) per round; the std is 0 for a single seed (ddof=1 leaves none)."""
+    std = acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(acc.shape[1:])
+    return acc.mean(0), std
+
+
 def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[str]) -> Path:
-    """Mean over seeds per round with a ± std band, one line per algorithm: personalized accuracy, and the global
-    model's accuracy for the algorithms that have one (pFedCS's claim is about the global model)."""
+    """Mean over seeds per round with a ± sample std band, one line per algorithm: personalized accuracy, and the
+    global model's accuracy for the algorithms that have one (pFedCS's claim is about the global model)."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for name in algorithms:
         runs = [read_metrics(d / name) for d in seed_dirs if (d / name / "summary.json").is_file()]  # finished
@@ -116,11 +138,13 @@ def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[
             if any(r[length - 1][key] is None for r in runs):
                 continue
             acc = np.array([[row[key] for row in r[:length]] for r in runs], dtype=float)
-            line, = axis.plot(rounds, acc.mean(0), color=color, label=f"{name} ({len(runs)} seeds)")
+            mean, std = seed_band(acc)
+            line, = axis.plot(rounds, mean, color=color, label=f"{name} ({len(runs)} seeds, ± sample std)")
             color = line.get_color()
-            axis.fill_between(rounds, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), color=color, alpha=0.2)
-    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)", title="personalized, mean ± std over seeds")
-    ax2.set(xlabel="round", title="global model, mean ± std over seeds")
+            axis.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2)
+    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)",
+           title="personalized, mean ± sample std over seeds")
+    ax2.set(xlabel="round", title="global model, mean ± sample std over seeds")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
         if a.lines:
