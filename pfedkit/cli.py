@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seeds", help="comma list of seeds: one run each, comparison gives mean ± std (e.g. 0,1,2)")
     run.add_argument("--out", type=Path, help="output folder (default runs/<dataset>-<time>)")
     run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run from its checkpoint")
+    run.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its files, "
+                     "checkpoint included, are deleted once the new config has been checked)")
     plot = sub.add_parser("plot", help="redraw the figures of a run or experiment folder")
     plot.add_argument("dir", type=Path)
     plot.add_argument("--layer", help="pFedLA: the layer of the N x N weight heatmap (default fc1)")
@@ -30,22 +32,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupted(out: Path | None) -> str:
+    """What Ctrl-C leaves: a folder to resume (named as it is), or nothing to resume."""
+    if out is not None and out.is_dir() and any(out.rglob("checkpoint.pt")):
+        return f"pfedkit: interrupted; continue with `pfedkit run --resume {out}`"
+    if out is not None and out.is_dir() and any(out.iterdir()):
+        return (f"pfedkit: interrupted before the first checkpoint; nothing to resume in {out} "
+                "(run it again with --overwrite)")
+    return "pfedkit: interrupted before anything was written; nothing to resume"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    out = None
     try:
         if args.command == "run":
             from .config import load_config
             from .experiment import default_out, resume_experiment, run_experiment
             if args.resume:
-                if args.config or args.overrides or args.algorithms or args.out or args.seeds:
-                    raise PfedkitError("--resume DIR takes no config, --set, --algorithms or --out: "
+                if args.config or args.overrides or args.algorithms or args.out or args.seeds or args.overwrite:
+                    raise PfedkitError("--resume DIR takes no config, --set, --algorithms, --out or --overwrite: "
                                        "it continues with the folder's own config.yaml")
+                out = args.resume
                 resume_experiment(args.resume)
             else:
                 seeds = [f"seeds={args.seeds}"] if args.seeds else []
                 config = args.config or Path(__file__).with_name("default.yaml")  # the embedded default job
                 cfg = load_config(config, args.overrides + seeds, args.algorithms)
-                run_experiment(cfg, args.out or default_out(cfg))
+                out = args.out or default_out(cfg)
+                run_experiment(cfg, out, overwrite=args.overwrite)
         elif args.command == "plot":
             from .report.plots import plot_comparison, plot_run, plot_seed_comparison
             d = args.dir
@@ -80,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     except PfedkitError as exc:
         print(f"pfedkit: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file pfedkit had to write or read; the message names it
+        print(f"pfedkit: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("pfedkit: interrupted; continue with `pfedkit run --resume DIR`", file=sys.stderr)
+        print(_interrupted(out), file=sys.stderr)
         return 130
     return 0
 

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import pickle
 import shutil
 import time
 import zipfile
@@ -40,23 +41,37 @@ def tensor_bytes(message: dict[str, Any]) -> int:
 
 
 def check_update(update: dict[str, Any], cid: int, rnd: int, hint: str = "lower local.lr") -> None:
+    """An update holds finite tensors and finite numbers only; `num_samples` and `train_loss` are numbers (a None
+    or a string there is a bug of the algorithm, caught here rather than in the metrics)."""
     for key, value in update.items():
         if isinstance(value, torch.Tensor):
             if not torch.isfinite(value).all():
                 raise UpdateError(f"round {rnd}: client {cid} sent non-finite values in '{key}' "
                                   f"(diverged training?); {hint}")
-        elif isinstance(value, float) and not math.isfinite(value):
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UpdateError(f"round {rnd}: client {cid} sent '{key}' = {value!r}; an update holds tensors and "
+                              "numbers only")
+        elif not math.isfinite(value):
             raise UpdateError(f"round {rnd}: client {cid} reported a non-finite '{key}' (diverged training?); {hint}")
+    if "num_samples" in update and not (isinstance(update["num_samples"], int) and update["num_samples"] >= 0):
+        raise UpdateError(f"round {rnd}: client {cid} sent num_samples = {update['num_samples']!r}; expected a "
+                          "count >= 0")
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write then rename, so a crash never leaves a half-written file under `path`."""
+    """Write then rename, so a crash or a full disk never leaves a half-written file under `path`: the previous
+    version stays until the new one is complete."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        kept = f"; the previous {path.name} is intact" if path.exists() else ""
+        raise PfedkitError(f"could not write {path}: {exc.strerror or exc} (disk full or not writable?){kept}") from None
 
 
 def _sync(device: torch.device) -> None:
@@ -114,6 +129,40 @@ def evaluate(algo: Algorithm, state: dict, cstates: list[dict], data: FederatedD
         "global_train_loss": float(global_loss.sum() / train_sizes.sum()) if global_loss is not None else None,
     }
     return {"row": row, "per_client": acc}
+
+
+RESUMABLE_KEYS = {"rounds", "progress", "plots", "threads", "device", "checkpoint_every"}  # may change on resume
+
+
+def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def structure_mismatch(want: Any, got: Any, where: str) -> str | None:
+    """Where `got` differs from `want` in its containers' keys and lengths or its tensors' shapes and dtypes."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return f"{where} holds {shape}, this config makes {tuple(want.shape)}"
+        return None
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return f"{where} holds keys {sorted(got) if isinstance(got, dict) else type(got).__name__}, " \
+                   f"this config makes {sorted(want)}"
+        return next(filter(None, (structure_mismatch(want[k], got[k], f"{where}.{k}") for k in want)), None)
+    if isinstance(want, list):
+        if not isinstance(got, list) or len(got) != len(want):
+            return f"{where} holds {len(got) if isinstance(got, list) else type(got).__name__} entries, " \
+                   f"this config makes {len(want)}"
+        return next(filter(None, (structure_mismatch(w, g, f"{where}[{i}]") for i, (w, g) in enumerate(zip(want, got)))),
+                    None)
+    return None
 
 
 class ObservableLog:
@@ -183,7 +232,9 @@ class Run:
         init = self.model.state()
         self.state = self.algo.init_server(init)
         self.cstates = [self.algo.init_client(cid, init) for cid in range(self.data.num_clients)]
-        self.sampler_state = self.sampler.init_state(self.model.size, init)
+        # representative gradients over the parameters only: BatchNorm running statistics are no gradient (and
+        # would carry most of the norm, making every client look alike)
+        self.sampler_state = self.sampler.init_state(self.model.param_size, init)
         self.metrics: list[dict] = []
         self.totals = {"round": 0, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, "server_s": 0.0}
         self.out.mkdir(parents=True, exist_ok=True)
@@ -199,13 +250,57 @@ class Run:
         atomic_write(self.out / "algorithm.json", json.dumps(info, indent=1).encode())
 
     def _resume(self) -> None:
-        ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
+        ck = self._load_checkpoint()
         self.state, self.cstates, self.metrics, self.totals = ck["server"], ck["clients"], ck["metrics"], ck["totals"]
         self.sampler_state = ck["sampler"]
         torch.set_rng_state(ck["torch_rng"])
         # the log may hold rows written after the checkpoint: rewrite it from the checkpoint's rows
         atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.metrics).encode())
         self.observed.truncate(self.totals["round"])
+
+    def _load_checkpoint(self) -> dict:
+        """The checkpoint as plain data (tensors, numbers, strings, containers: `weights_only` never runs code from
+        the file), checked against what this run's config builds, so a damaged, foreign or stale checkpoint is one
+        line rather than a traceback or a silently different run."""
+        path = self.ckpt_path
+        again = f"start it afresh with `pfedkit run ... --out {self.out.parent} --overwrite`"
+        try:
+            ck = torch.load(path, map_location=self.device, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to read it means the same to the user
+            why = ("it holds objects other than tensors, numbers and strings, refused unread"
+                   if isinstance(exc, pickle.UnpicklingError) else
+                   f"it is empty, damaged or not a checkpoint ({exc.__class__.__name__})")
+            raise PfedkitError(f"cannot resume from {path}: {why}; {again}") from None
+        keys = {"server", "clients", "sampler", "metrics", "totals", "torch_rng", "config"}
+        if not isinstance(ck, dict) or not keys <= set(ck):
+            raise PfedkitError(f"cannot resume from {path}: not a pfedkit checkpoint (no {', '.join(sorted(keys))}); "
+                               f"{again}")
+        mine, theirs = flatten_config(self.cfg.to_dict()), flatten_config(ck["config"]) if isinstance(
+            ck["config"], dict) else {}
+        changed = [k for k in sorted(set(mine) | set(theirs)) if k.split(".")[0] not in RESUMABLE_KEYS
+                   and mine.get(k) != theirs.get(k)]
+        if changed:
+            k = changed[0]
+            raise PfedkitError(f"cannot resume from {path}: it was written with {k}={theirs.get(k)!r} but "
+                               f"{self.out / 'config.yaml'} says {mine.get(k)!r}"
+                               f"{f' (and {len(changed) - 1} more keys differ)' if len(changed) > 1 else ''}; "
+                               f"restore the config or {again}")
+        init = self.model.state()
+        expected = {"server": self.algo.init_server(init),
+                    "clients": [self.algo.init_client(c, init) for c in range(self.data.num_clients)],
+                    "sampler": self.sampler.init_state(self.model.param_size, init),
+                    "torch_rng": torch.get_rng_state()}
+        for key, want in expected.items():
+            problem = structure_mismatch(want, ck[key], key)
+            if problem:
+                raise PfedkitError(f"cannot resume from {path}: {problem} (another model, dataset or client count?); "
+                                   f"{again}")
+        totals = ck["totals"]
+        if not (isinstance(ck["metrics"], list) and all(isinstance(r, dict) for r in ck["metrics"])
+                and isinstance(totals, dict) and isinstance(totals.get("round"), int)
+                and 0 <= totals["round"] <= self.cfg.rounds):
+            raise PfedkitError(f"cannot resume from {path}: its metrics or round counter are damaged; {again}")
+        return ck
 
     def _checkpoint(self) -> None:
         buf = io.BytesIO()
@@ -274,7 +369,7 @@ class Run:
         cids = list(range(data.num_clients)) if algo.trains_all else list(weights)
         stats = {"clients": len(cids), "server_s": 0.0, "bytes_up": 0, "bytes_down": 0, "losses": []}
         sent_global = algo.global_model(self.state) if sampler.needs_gradients else None
-        sent_global = None if sent_global is None else sent_global.clone()
+        sent_global = None if sent_global is None else sent_global[: self.model.param_size].clone()
         updates: dict[int, dict] = {}
         for group in ([[c] for c in cids] if algo.sequential else [cids]):
             ts = time.perf_counter()
@@ -295,7 +390,8 @@ class Run:
                 self._aggregate({c: updates[c] for c in group}, {c: 1.0 for c in group}, rnd, stats)
         if sent_global is not None:  # representative gradients: what each client's training did to the model
             self.sampler_state = sampler.observe(self.sampler_state, {
-                c: u["gradient"] if "gradient" in u else u["weights"] - sent_global for c, u in updates.items()})
+                c: u["gradient"] if "gradient" in u else u["weights"][: len(sent_global)] - sent_global
+                for c, u in updates.items()})
         if algo.trains_all:
             weights = sampler.select(self.sampler_state, rnd)
         if not algo.sequential:

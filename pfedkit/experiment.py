@@ -1,6 +1,8 @@
 """Run one or several algorithms on the same data, partition and client-sampling stream, and report them."""
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -35,14 +37,41 @@ def default_out(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.dataset.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run_experiment(cfg: Config, out: Path, *, resume: bool = False, data: FederatedData | None = None,
-                   log: Callable[[str], None] = print, stop_after: int | None = None) -> list[dict]:
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an output folder that would lose or mix results, before anything is written: a file, a place that
+    cannot be written, or a folder that already holds something (a run: replaced only with `overwrite`)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PfedkitError(f"--out {out} is a file, not a folder; choose another --out")
+    parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise PfedkitError(f"--out {out}: {parent} is not a writable folder; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_run_folder(out):
+            raise PfedkitError(f"--out {out} is a folder with other files in it, not a pfedkit run; choose an empty "
+                               "or new folder")
+        if not overwrite:
+            raise PfedkitError(f"--out {out} already holds a run: continue it with `pfedkit run --resume {out}`, or "
+                               "replace it with --overwrite")
+
+
+def is_run_folder(path: Path) -> bool:
+    return (Path(path) / "config.yaml").is_file()
+
+
+def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: bool = False,
+                   data: FederatedData | None = None, log: Callable[[str], None] = print,
+                   stop_after: int | None = None) -> list[dict]:
     """Train every algorithm of `cfg` into `out/<algorithm>/`, then write comparison.md and comparison.png.
     With `seeds`, once per seed into `out/seed<s>/`, and the comparison gives mean ± std over the seeds.
-    A run whose clients send non-finite updates is recorded (`failed.txt`) and the others still run; the
-    experiment then ends with an error naming it."""
-    summaries = _run_seeds(cfg, Path(out), resume, data, log, stop_after)
-    folders = [Path(out) / f"seed{s}" for s in cfg.seed_list()] or [Path(out)]
+    Every run is built (data, model, algorithm, sampler: everything that can refuse the config) before anything is
+    written; `out` must be new or empty unless `overwrite` (or `resume`). A run whose clients send non-finite
+    updates is recorded (`failed.txt`) and the others still run; the experiment then ends with an error naming it."""
+    out = Path(out)
+    if not resume:
+        check_out(out, overwrite)
+    summaries = _run_seeds(cfg, out, resume, data, log, stop_after)
+    folders = [out / f"seed{s}" for s in cfg.seed_list()] or [out]
     failed = [f / name / FAILED_FILE for f in folders for name in cfg.algorithms() if (f / name / FAILED_FILE).is_file()]
     if failed:
         first = failed[0]
@@ -51,21 +80,39 @@ def run_experiment(cfg: Config, out: Path, *, resume: bool = False, data: Federa
     return summaries
 
 
+def build_runs(cfg: Config, data: FederatedData, out: Path) -> list[Run]:
+    """One Run per algorithm spec: each checks its own keys (variants such as `heurpfedla@k=99`, the sampler an
+    algorithm can use, the `local.*` keys it reads) without writing anything."""
+    return [Run(cfg.for_algorithm(name), data, out / name) for name in cfg.algorithms()]
+
+
+def _start(out: Path, resume: bool) -> None:
+    """The first write of an experiment: an --overwrite'n run folder is emptied (so no stale run of another config
+    stays beside the new ones), then created."""
+    if not resume and out.is_dir() and is_run_folder(out):
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
 def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None, log: Callable[[str], None],
                stop_after: int | None) -> list[dict]:
     seeds = cfg.seed_list()
     if not seeds:
-        return _run_algorithms(cfg, Path(out), resume, data or prepare(cfg), log, stop_after)
-    out = Path(out)
+        data = data or prepare(cfg)
+        runs = build_runs(cfg, data, out)
+        _start(out, resume)
+        return _run_algorithms(cfg, out, resume, data, log, stop_after, runs)
     first = prepare(cfg.with_seed(seeds[0]))  # fail on bad input before writing anything
-    out.mkdir(parents=True, exist_ok=True)
+    runs = build_runs(cfg.with_seed(seeds[0]), first, out / f"seed{seeds[0]}")
+    _start(out, resume)
     if not resume:
         atomic_write(out / "config.yaml", dump_config(cfg).encode())
     summaries = []
     for i, seed in enumerate(seeds):
         one, seed_dir = cfg.with_seed(seed), out / f"seed{seed}"
-        summaries += _run_algorithms(one, seed_dir, resume and seed_dir.is_dir(), first if i == 0 else prepare(one),
-                                     log, stop_after)
+        seed_data = first if i == 0 else prepare(one)
+        summaries += _run_algorithms(one, seed_dir, resume and seed_dir.is_dir(), seed_data, log, stop_after,
+                                     runs if i == 0 else build_runs(one, seed_data, seed_dir))
     seed_dirs = [out / f"seed{s}" for s in seeds]
     table = write_seed_comparison(out, seed_dirs, cfg.algorithms(),
                                   f"# Comparison over seeds {cfg.seeds} on {first.summary()}")
@@ -76,20 +123,22 @@ def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None,
 
 
 def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, log: Callable[[str], None],
-                    stop_after: int | None) -> list[dict]:
+                    stop_after: int | None, runs: list[Run]) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         atomic_write(out / "config.yaml", dump_config(cfg).encode())
     log(data.summary())
+    for warning in data.warnings:
+        log(f"warning: {warning}")
     run_dirs, summaries = [], []
-    for name in cfg.algorithms():
+    for name, run in zip(cfg.algorithms(), runs):
         run_dir = out / name
         run_dirs.append(run_dir)
         if resume and ((run_dir / "summary.json").is_file() or (run_dir / FAILED_FILE).is_file()):
             continue
         again = resume and (run_dir / "checkpoint.pt").is_file()
         try:
-            summary = Run(cfg.for_algorithm(name), data, run_dir).run(resume=again, stop_after=stop_after)
+            summary = run.run(resume=again, stop_after=stop_after)
         except UpdateError as exc:  # e.g. a study's largest step size diverges: Run recorded it; run the others
             log(f"{name}: {exc}")
             continue
@@ -113,8 +162,14 @@ def resume_experiment(path: Path, log: Callable[[str], None] = print) -> list[di
     path = Path(path)
     if not (path / "config.yaml").is_file():
         raise PfedkitError(f"cannot resume: {path / 'config.yaml'} not found (is {path} a pfedkit run folder?)")
-    if (path / "checkpoint.pt").is_file() and not any((p / "config.yaml").is_file() for p in path.iterdir()
-                                                      if p.is_dir()):
+    one_run = (path / "algorithm.json").is_file() or (path / "metrics.jsonl").is_file()
+    if one_run:  # one algorithm's folder: it continues from its own checkpoint or not at all
+        if (path / "summary.json").is_file():
+            raise PfedkitError(f"cannot resume {path}: the run has finished (summary.json); start a new one with "
+                               "another --out")
+        if not (path / "checkpoint.pt").is_file():
+            raise PfedkitError(f"cannot resume {path}: it holds no checkpoint.pt (the run stopped before its first "
+                               f"checkpoint); start it again with `pfedkit run ... --out {path} --overwrite`")
         cfg = load_config(path / "config.yaml")
         data = prepare(cfg)
         summary = Run(cfg, data, path).run(resume=True)

@@ -38,6 +38,7 @@ def uniform_sample(seed: int, rnd: int, num_clients: int, per_round: int) -> lis
 P_SUM_TOL = 1e-9
 DISTANCES = ("cosine", "l2", "l1")
 LINKAGE_INPUTS = ("rows", "condensed")
+KEPT_ORDERS = ("heaviest_first", "reference")
 
 
 def _check_p(p) -> np.ndarray:
@@ -238,7 +239,8 @@ def _flat_clusters(Z: np.ndarray, q: list[int], total: int, m: int, clusters: in
 
 
 def similarity_distributions(G, p, m: int, *, distance: str = "cosine", linkage_input: str = "rows",
-                             clusters: int = 0, rng: np.random.Generator) -> np.ndarray:
+                             clusters: int = 0, kept_order: str = "heaviest_first",
+                             rng: np.random.Generator) -> np.ndarray:
     """Algorithm 2 of Fraboni et al. (similarity-based clustered sampling), shape (m, n).
 
     G: (n, d) representative gradients (theta_i_local - theta_global, flattened); p: (n,) importances summing to 1;
@@ -257,8 +259,10 @@ def similarity_distributions(G, p, m: int, *, distance: str = "cosine", linkage_
          heavy group of similar clients stays in as few rows as possible.
       4. Fraboni's assignment on the remaining rows (all clusters now fit in a row): clusters sorted by weight
          descending (ties: smallest client index first), the heaviest ones each own one row (lowest free row
-         first), the others, in ascending weight order with their members shuffled by `rng`, are poured greedily
-         into the rows with free capacity (row 0 first), a client split over two rows when a row fills.
+         first; `kept_order="reference"`: lightest of them first, as the reference code's ascending sort leaves
+         them), the others, in ascending weight order with their members shuffled by `rng`, are poured greedily
+         into the rows with free capacity (row 0 first), a client split over two rows when a row fills. The order
+         matters: the poured clients share rows with the kept clusters of the first rows.
     Every row ends with exactly 1/m of the weight (integer arithmetic), all entries >= 0, rows are normalised to
     sum 1 and the mean over rows equals p / sum(p) up to float64 rounding. `rng` is used only for the shuffles."""
     p = _check_p(p)
@@ -266,6 +270,8 @@ def similarity_distributions(G, p, m: int, *, distance: str = "cosine", linkage_
     rng = _check_rng(rng)
     if linkage_input not in LINKAGE_INPUTS:
         raise ValueError(f"linkage_input must be one of {LINKAGE_INPUTS}, got {linkage_input!r}")
+    if kept_order not in KEPT_ORDERS:
+        raise ValueError(f"kept_order must be one of {KEPT_ORDERS}, got {kept_order!r}")
     if isinstance(clusters, (bool, np.bool_)) or not isinstance(clusters, (int, np.integer)) or clusters < 0:
         raise ValueError(f"clusters must be an integer >= 0 (0 = Fraboni's weight cut), got {clusters!r}")
     n = p.size
@@ -279,11 +285,11 @@ def similarity_distributions(G, p, m: int, *, distance: str = "cosine", linkage_
     else:
         flat = _flat_clusters(_linkage_matrix(M, linkage_input), q, total, m, int(clusters))
 
-    return _allocate_clusters(flat, q, total, m, rng, n)
+    return _allocate_clusters(flat, q, total, m, rng, n, kept_order)
 
 
 def _allocate_clusters(flat: list[list[int]], q: list[int], total: int, m: int, rng: np.random.Generator,
-                       n: int) -> np.ndarray:
+                       n: int, kept_order: str = "heaviest_first") -> np.ndarray:
     """Rows from flat clusters (steps 3-4 of `similarity_distributions`), in integer units: row capacity = total,
     client i weighs m * q[i]."""
     free = [total] * m
@@ -317,6 +323,8 @@ def _allocate_clusters(flat: list[list[int]], q: list[int], total: int, m: int, 
     # Fraboni on what is left: every candidate now fits in one row
     by_weight = sorted(candidates, key=lambda t: (-t[0], t[1]))
     kept, rest_c = by_weight[: m - row], sorted(by_weight[m - row:], key=lambda t: (t[0], t[1]))
+    if kept_order == "reference":
+        kept = kept[::-1]
     for k, (weight, _, pieces) in enumerate(kept, start=row):
         for i, amount in pieces:
             if amount:
@@ -392,8 +400,11 @@ class Sampler:
         if self.scheme == "clustered_similarity":
             c = self.clustering
             G = state["gradients"].double().cpu().numpy()
+            if c.representative == "centered":  # grad F_i(w) - grad F(w), with grad F(w) = sum_i p_i grad F_i(w)
+                G = G - self.p @ G
             return similarity_distributions(G, self.p, self.m, distance=c.distance, linkage_input=c.linkage_input,
-                                            clusters=c.clusters, rng=np.random.default_rng([self.seed, rnd, 0xC5]))
+                                            clusters=c.clusters, kept_order=c.kept_order,
+                                            rng=np.random.default_rng([self.seed, rnd, 0xC5]))
         return self._fixed
 
     def select(self, state: dict, rnd: int) -> dict[int, float]:

@@ -137,7 +137,8 @@ def test_seeds_give_one_folder_each_and_a_mean_std_comparison_that_plot_redraws(
         cells = [c.strip() for c in row.split("|")]
         mean, std = (float(x) for x in cells[2].split("±"))
         assert mean == pytest.approx(100 * sum(accs) / 2, abs=0.006)
-        assert std == pytest.approx(100 * abs(accs[0] - accs[1]) / 2, abs=0.006)
+        # the sample std of two values a, b: sqrt(((a - m)^2 + (b - m)^2) / (2 - 1)) = |a - b| / sqrt(2)
+        assert std == pytest.approx(100 * abs(accs[0] - accs[1]) / 2 ** 0.5, abs=0.006)
         assert cells[-2] == "2"
     (out / "comparison.png").unlink()
     replot = pfedkit("plot", str(out))

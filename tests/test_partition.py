@@ -48,12 +48,13 @@ def assert_well_formed(part: Partition, n_samples: int, num_clients: int) -> Non
 
 def assert_stratified(part: Partition, y: np.ndarray, num_classes: int, test_fraction: float) -> None:
     """Per (client, class): round(n_c * test_fraction) test samples; a client whose rounded test share is zero
-    but that has >= 2 samples gets exactly one test sample, taken from its largest class."""
+    but whose largest class has >= 2 samples gets exactly one test sample, taken from that class (so it still
+    trains on every class it is tested on)."""
     total = class_counts(part, y, num_classes, "all")
     test = class_counts(part, y, num_classes, "test")
     for i in range(part.num_clients):
         want = np.array([round(n * test_fraction) for n in total[i]])
-        if test_fraction > 0 and want.sum() == 0 and total[i].sum() >= 2:
+        if test_fraction > 0 and want.sum() == 0 and total[i].max() >= 2:
             assert test[i].sum() == 1, f"tiny client {i} should get exactly one test sample"
             assert total[i][np.flatnonzero(test[i])[0]] == total[i].max(), "the test sample is not from its largest class"
         else:

@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..config import Config, LocalConfig
+from ..config import Config, LocalConfig, split_spec
+from ..errors import ConfigError
 from ..data import ClientData, FederatedData
 from ..models import FlatModel
 from ..train import BatchedLoss, batch_plan, batched_sgd, sgd
@@ -106,12 +107,26 @@ class Algorithm:
     default_sampling: ClassVar[str] = "uniform"  # what `sampling: auto` means for this algorithm
     adapts: ClassVar[bool] = False  # True: `adapt` fine-tunes the model on the client's train data before evaluation
     divergence_hint: ClassVar[str] = "lower local.lr"  # what to change when a client's update is non-finite
+    # `local.*` keys this algorithm's local solver does not read: setting one for its run, or turning on momentum or
+    # weight decay (off by default), is refused rather than silently ignored
+    unused_local: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: Any, model: FlatModel, num_clients: int, cfg: Config):
         self.params = params
         self.model = model  # the layout (names, layers, sizes); clients also train with it
         self.num_clients = num_clients
         self.cfg = cfg
+        self.check_local(cfg)
+
+    def check_local(self, cfg: Config) -> None:
+        spec_local = [k.split(".", 1)[1] for k in split_spec(cfg.algorithm)[1] if k.startswith("local.")]
+        for key in self.unused_local:
+            if key in spec_local or (key in ("momentum", "weight_decay") and getattr(cfg.local, key) > 0):
+                own = {"lr": " (its step sizes are its own keys)", "epochs": " (its own keys set the local work)",
+                       "steps": " (its own keys set the local work)"}.get(key, "")
+                raise ConfigError(f"config key 'local.{key}': {self.name}'s local solver does not use it{own}; "
+                                  f"allowed for {self.name}: the default; set it for the other runs only, "
+                                  f"e.g. --algorithms fedavg@local.{key}=...,{self.name}")
 
     # -- server -------------------------------------------------------------------------------------------------
     def init_server(self, init: torch.Tensor) -> State:

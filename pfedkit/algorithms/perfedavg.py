@@ -7,7 +7,9 @@ Each local step from theta0 uses fresh mini-batches from the client's stream:
     FO: theta = theta0 - beta g
     HF: h = [grad f(theta0 + delta g; D3) - grad f(theta0 - delta g; D3)] / (2 delta),  theta = theta0 - beta (g - alpha h)
 with alpha = local.lr. `local.steps` > 0 counts these meta-steps (pFedMe's code); with `local.epochs` the number of
-steps is the epochs' batches / 2 (FO) or / 3 (HF), as FL-bench does.
+steps is the epochs' batches / 2 (FO) or / 3 (HF), as FL-bench does, rounded up: the batch stream cycles through
+fresh permutations (as the reference code's iterators restart), so no leftover batch is dropped and a client with
+fewer batches than one meta-step needs still takes one step.
 """
 from __future__ import annotations
 
@@ -34,16 +36,24 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     Params = PerFedAvgParams
     adapts = True
+    unused_local = ("momentum", "weight_decay")  # the meta-steps are plain steps of alpha and beta
 
     @property
     def batches_per_step(self) -> int:
         return 2 if self.params.variant == "fo" else 3
 
-    def plan(self, hp: LocalConfig) -> LocalConfig:
-        """`local.steps` counts meta-steps (pFedMe's code), each taking `batches_per_step` batches."""
-        if hp.steps == 0:
-            return hp
-        return LocalConfig(epochs=0, steps=hp.steps * self.batches_per_step, batch_size=hp.batch_size, lr=hp.lr)
+    def meta_steps(self, num_train: int, hp: LocalConfig) -> int:
+        """`local.steps` (pFedMe's code), or enough to use every batch of `local.epochs` (the last step completed
+        from the next permutation)."""
+        if hp.steps > 0:
+            return hp.steps
+        batches = hp.epochs * -(-num_train // hp.batch_size)
+        return -(-batches // self.batches_per_step)
+
+    def plan(self, hp: LocalConfig, num_train: int = 0) -> LocalConfig:
+        """The batch stream of the meta-steps, each taking `batches_per_step` batches."""
+        steps = self.meta_steps(num_train, hp) * self.batches_per_step
+        return LocalConfig(epochs=0, steps=steps, batch_size=hp.batch_size, lr=hp.lr)
 
     def meta_step(self, theta: torch.Tensor, alpha: float, grad, batches: list) -> tuple[torch.Tensor, Any]:
         """One Per-FedAvg step from theta (one vector, or a stack of clients' vectors with a batched `grad`);
@@ -65,15 +75,14 @@ class PerFedAvg(FedAvg):
         def grad(params, idx):
             return model_gradient(model, params, data.x_train[idx], data.y_train[idx])
 
-        batches = list(batch_indices(data.num_train, self.plan(ctx.hp), ctx.gen, sent.device))
+        batches = list(batch_indices(data.num_train, self.plan(ctx.hp, data.num_train), ctx.gen, sent.device))
         k = self.batches_per_step
         losses = []
         for s in range(len(batches) // k):
             theta, loss = self.meta_step(theta, ctx.hp.lr, grad, batches[s * k: (s + 1) * k])
             losses.append(loss)
         weights = torch.cat([theta, model.vector[model.buffer_slice]])
-        return {"weights": weights, "num_samples": data.num_train,
-                "train_loss": sum(losses) / len(losses) if losses else None}, cstate
+        return {"weights": weights, "num_samples": data.num_train, "train_loss": sum(losses) / len(losses)}, cstate
 
     def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
         """The same meta-steps for all clients in lockstep (with `local.steps`, where every client takes as many)."""

@@ -5,7 +5,7 @@ Local solver, as the official code: theta and the local copy w_loc start at the 
 rounds take one mini-batch and K steps on it of
     theta <- theta - plr * (grad f(theta) + lambda (theta - w_loc) + mu theta)
 (mu = 0.001 is the official optimizer's hidden L2 term, an explicit option here), then
-    w_loc <- w_loc - eta * lambda * (w_loc - theta),   eta = local.lr.
+    w_loc <- w_loc - eta * lambda * (w_loc - theta),   eta = pfedme.eta.
 The client keeps theta as its personal model (evaluated as the personalized model) and uploads w_loc. The server
 mixes w <- (1 - beta) w + beta * sum_i weight_i w_loc_i over the clients the sampler picked: sample-size shares of
 a uniform sample (pFedMe's code) or draws / m under clustered sampling (pFedCS: the mean of the sampled local
@@ -24,9 +24,11 @@ from .base import Algorithm, ClientContext, Cohort, Message, State, model_gradie
 
 @dataclass
 class PFedMeParams:
+    # Defaults: the pFedMe README's MNIST/MLR setting (eta 0.005, plr 0.1, lambda 15, R 20, K 5; specs §3.7)
     local_rounds: int = at_least(1, 20)  # R: mini-batches per round (pFedMe's --local_epochs)
     inner_steps: int = at_least(1, 5)  # K: steps on each mini-batch
-    personal_lr: float = at_least(0.0, 0.01, open_low=True)  # plr (pFedMe: 0.01 Synthetic, 0.1/0.09 MNIST)
+    eta: float = at_least(0.0, 0.005, open_low=True)  # the local copy's step (pFedMe's --learning_rate)
+    personal_lr: float = at_least(0.0, 0.1, open_low=True)  # plr (pFedMe: 0.1/0.09 MNIST, 0.01 Synthetic)
     lamda: float = at_least(0.0, 15.0)  # lambda: pull of the personal model towards the local copy
     mu: float = at_least(0.0, 0.001)  # the official optimizer's hidden L2 term on theta
     beta: float = at_least(0.0, 1.0, open_low=True)  # server mixing; 1 = plain weighted average
@@ -43,7 +45,9 @@ class PFedMe(Algorithm):
     name = "pfedme"
     Params = PFedMeParams
     # each inner step keeps 1 - personal_lr (lamda + mu) of theta: beyond -1 (personal_lr * lamda > ~2) it diverges
-    divergence_hint = "lower personal_lr or lamda (personal_lr * lamda must stay below 2) or local.lr"
+    divergence_hint = "lower personal_lr or lamda (personal_lr * lamda must stay below 2) or eta"
+    # the solver draws R = local_rounds batches of local.batch_size and steps with personal_lr and eta
+    unused_local = ("epochs", "steps", "lr", "momentum", "weight_decay")
 
     def __init__(self, params, model, num_clients, cfg):
         super().__init__(params, model, num_clients, cfg)
@@ -51,7 +55,7 @@ class PFedMe(Algorithm):
 
     def plan(self, hp: LocalConfig) -> LocalConfig:
         """R mini-batches per round, drawn like any local stream (seeded permutations, cycling)."""
-        return LocalConfig(epochs=0, steps=self.params.local_rounds, batch_size=hp.batch_size, lr=hp.lr)
+        return LocalConfig(epochs=0, steps=self.params.local_rounds, batch_size=hp.batch_size, lr=self.params.eta)
 
     def init_client(self, cid: int, init: torch.Tensor) -> State:
         return {"personal": init.clone()}
@@ -59,7 +63,8 @@ class PFedMe(Algorithm):
     def _message(self, w_loc: torch.Tensor, theta: torch.Tensor, sent: torch.Tensor, num: int, loss: float):
         msg = {"weights": w_loc, "num_samples": num, "train_loss": loss}
         if getattr(self.params, "gradient", "local") == "personal":
-            msg["gradient"] = theta - sent  # the personal model's move, for the similarity sampler
+            P = self.model.param_size  # parameters only: BatchNorm statistics say nothing of the data's gradient
+            msg["gradient"] = theta[:P] - sent[:P]  # the personal model's move, for the similarity sampler
         return msg
 
     def personal_steps(self, theta: torch.Tensor, w_loc: torch.Tensor, gradient) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +90,7 @@ class PFedMe(Algorithm):
         for idx in batch_indices(data.num_train, self.plan(ctx.hp), ctx.gen, sent.device):
             x, y = data.x_train[idx], data.y_train[idx]
             theta, loss = self.personal_steps(theta, w_loc, lambda th: model_gradient(model, th, x, y))
-            w_loc = w_loc - ctx.hp.lr * self.params.lamda * (w_loc - theta)
+            w_loc = w_loc - self.params.eta * self.params.lamda * (w_loc - theta)
             loss_sum, steps = loss_sum + loss, steps + self.params.inner_steps
         buffers = model.vector[model.buffer_slice]
         personal, local = torch.cat([theta, buffers]), torch.cat([w_loc, buffers])
@@ -101,7 +106,7 @@ class PFedMe(Algorithm):
         idx, mask = cohort.plan(self.plan(cohort.hp))
         loss_sum = torch.zeros(len(sent), device=sent.device)
         steps = torch.zeros(len(sent), device=sent.device)
-        step = cohort.hp.lr * self.params.lamda
+        step = self.params.eta * self.params.lamda
         for t in range(idx.shape[0]):  # R mini-batches; every client's stream has R of them (steps plan)
             x, y, m = data.x_train[idx[t]], data.y_train[idx[t]], mask[t]
             theta, losses = self.personal_steps(theta, w_loc, lambda th: cohort.loss(th, x, y, m))

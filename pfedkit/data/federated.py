@@ -34,6 +34,7 @@ class FederatedData:
         self.num_classes = source.num_classes
         self.input_shape = source.input_shape
         self.label_sets = partition.label_sets
+        self.warnings = list(partition.warnings)
         self.device = torch.device(device)
         self.x_train, self.y_train, self.train_offsets = self._stack(source, partition.train)
         self.x_test, self.y_test, self.test_offsets = self._stack(source, partition.test)

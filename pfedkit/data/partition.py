@@ -19,7 +19,7 @@ Schemes (specs §7, experiments.md):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,7 @@ class Partition:
     train: list[np.ndarray]  # per client: indices into the source pool
     test: list[np.ndarray]
     label_sets: list[np.ndarray]  # per client: the classes the scheme gave it (dominant ones for `dominant`)
+    warnings: list[str] = field(default_factory=list)  # what the partition could not quite give, one line each
 
     @property
     def num_clients(self) -> int:
@@ -183,7 +184,7 @@ def assign(y: np.ndarray, num_classes: int, cfg: PartitionConfig, rng: np.random
         owner, sets = groups.astype(np.int64).copy(), None
     else:  # guarded by config validation
         raise ConfigError(f"config key 'partition.scheme': unknown scheme {scheme!r}")
-    if cfg.samples_per_client and scheme in ("dirichlet", "natural"):
+    if cfg.samples_per_client and scheme in ("dirichlet", "natural", "dominant"):  # dominant's rounding may overshoot
         owner = _cap(owner, n, cfg.samples_per_client, rng)
     if sets is None:  # label set = the classes the client actually holds
         held = np.zeros((n, num_classes), dtype=bool)
@@ -215,15 +216,18 @@ def split_train_test(owner: np.ndarray, y: np.ndarray, n: int, test_fraction: fl
     starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
     sizes = np.diff(np.r_[starts, len(idx)])
     rank = np.arange(len(idx)) - np.repeat(starts, sizes)
-    is_test = rank < np.repeat(np.round(sizes * test_fraction), sizes)
-    if test_fraction > 0:  # a tiny client still gets one test sample, from its largest class
-        clients = owner[idx]
+    # round(n_c * f) of each group, but never all of it: a class a client is tested on is one it also trains on
+    held = np.minimum(np.round(sizes * test_fraction), np.maximum(sizes - 1, 0))
+    is_test = rank < np.repeat(held, sizes)
+    if test_fraction > 0:  # a tiny client still gets one test sample, from its largest class if that keeps a
+        clients = owner[idx]  # train sample of the class (never a test class the client does not train on)
         per_client_test = np.bincount(clients[is_test], minlength=n)
         per_client = np.bincount(clients, minlength=n)
         for c in np.flatnonzero((per_client_test == 0) & (per_client >= 2)):
             in_c = np.flatnonzero(clients[starts] == c)
             biggest = in_c[np.argmax(sizes[in_c])]
-            is_test[starts[biggest]] = True
+            if sizes[biggest] >= 2:
+                is_test[starts[biggest]] = True
     bounds = np.searchsorted(owner[idx], np.arange(n + 1))
     train = [idx[a:b][~is_test[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
     test = [idx[a:b][is_test[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -246,9 +250,48 @@ def make_partition(y: np.ndarray, num_classes: int, cfg: PartitionConfig, seed: 
         train, test = split_train_test(train_owner, y, cfg.num_clients, cfg.val_fraction,
                                        np.random.default_rng([seed, 0x7A1]))
     held_out = cfg.val_fraction if cfg.eval_split == "validation" else cfg.test_fraction
-    empty = [i for i in range(cfg.num_clients) if len(train[i]) == 0 or (held_out > 0 and len(test[i]) == 0)]
+    check_partition(y, num_classes, cfg, train, test, label_sets, held_out, is_test is not None)
+    return Partition(train, test, label_sets, partition_warnings(y, train, test, held_out))
+
+
+def check_partition(y, num_classes, cfg, train, test, label_sets, held_out, own_split) -> None:
+    """Refuse, naming the numbers, a partition that cannot give what was asked: train and test data for every
+    client, and (for `classes` and `chain`) the k classes of its label set in its train split."""
+    n = cfg.num_clients
+    if cfg.scheme in ("classes", "chain"):
+        short = [i for i in range(n) if len(np.setdiff1d(label_sets[i], y[train[i]])) > 0]
+        if short:
+            i = short[0]
+            slots = sum(int(np.isin(label_sets[j], label_sets[i][0]).any()) for j in range(n))
+            have = len(np.unique(y[train[i]]))
+            raise DataError(f"partition '{cfg.scheme}' gives client {i} (and {len(short) - 1} more) train samples of "
+                            f"only {have} of its {len(label_sets[i])} classes: {len(y)} samples are too few for "
+                            f"{n} clients x {cfg.classes_per_client} classes (class {label_sets[i][0]} has "
+                            f"{int((y == label_sets[i][0]).sum())} samples for {slots} clients); lower "
+                            "partition.num_clients or partition.classes_per_client")
+    empty = [i for i in range(n) if len(train[i]) == 0 or (held_out > 0 and len(test[i]) == 0)]
     if empty:
-        raise DataError(f"partition '{cfg.scheme}' leaves client {empty[0]} (and {len(empty) - 1} more) without "
-                        f"train or test data: {len(y)} samples are too few for {cfg.num_clients} clients; "
-                        "lower partition.num_clients")
-    return Partition(train, test, label_sets)
+        i = empty[0]
+        sizes = np.bincount(y[np.r_[train[i], test[i]]], minlength=num_classes)
+        held = sizes[sizes > 0]
+        detail = (f"client {i} has {int(held.sum())} samples ({', '.join(map(str, held))} per class)" if held.size
+                  else f"client {i} has no samples")
+        why = ("the dataset's own split gives it none" if own_split else
+               f"too few to hold out {held_out:g} of a class and still train on it")
+        raise DataError(f"partition '{cfg.scheme}' leaves client {i} (and {len(empty) - 1} more) without train or "
+                        f"test data: {detail}, {why}; {len(y)} samples are too few for {n} clients; lower "
+                        "partition.num_clients")
+
+
+def partition_warnings(y, train, test, held_out) -> list[str]:
+    """What a researcher should know about a partition that was given (one line each)."""
+    untested = [i for i in range(len(train)) if held_out > 0 and len(np.setdiff1d(y[train[i]], y[test[i]])) > 0]
+    unseen = [i for i in range(len(train)) if len(np.setdiff1d(y[test[i]], y[train[i]])) > 0]
+    out = []
+    if unseen:
+        out.append(f"partition: {len(unseen)} of {len(train)} clients (e.g. client {unseen[0]}) are tested on "
+                   "classes they never train on")
+    if untested:
+        out.append(f"partition: {len(untested)} of {len(train)} clients (e.g. client {untested[0]}) train on "
+                   f"classes with no test sample (too few samples of them to hold out {held_out:g})")
+    return out

@@ -56,7 +56,7 @@ def _mean_std(values: list[float | None]) -> str:
         return "–"
     if len(vals) == 1:  # one seed: no spread to show
         return f"{100 * vals[0]:.2f}"
-    return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}"
+    return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals, ddof=1):.2f}"  # the sample std over seeds
 
 
 def write_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[str], header: str = "") -> Path:
@@ -83,7 +83,7 @@ def write_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list
             f"| {len(runs)}{f' ({failed} failed)' if failed else ''} |")
     if majority:
         lines.append(f"| *majority label (reference)* | {_mean_std(majority)} | | | | | 0 | 0 | | |")
-    lines += ["", "Mean ± std over seeds of the final evaluation (each seed draws its own partition, initialization, "
+    lines += ["", "Mean ± sample std (n − 1) over seeds of the final evaluation (each seed draws its own partition, initialization, "
               "client sampling and batches). Accuracies are unweighted means over all clients; see each seed's "
               "comparison.md for the spread over clients.", ""]
     path = Path(out_dir) / "comparison.md"
