@@ -267,8 +267,8 @@ class Run:
         try:
             ck = torch.load(path, map_location=self.device, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure to read it means the same to the user
-            why = ("it holds objects other than tensors, numbers and strings, refused unread"
-                   if isinstance(exc, pickle.UnpicklingError) else
+            refused = isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower()
+            why = ("it holds objects other than tensors, numbers and strings, refused unread" if refused else
                    f"it is empty, damaged or not a checkpoint ({exc.__class__.__name__})")
             raise PfedkitError(f"cannot resume from {path}: {why}; {again}") from None
         keys = {"server", "clients", "sampler", "metrics", "totals", "torch_rng", "config"}

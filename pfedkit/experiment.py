@@ -104,6 +104,8 @@ def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None,
         return _run_algorithms(cfg, out, resume, data, log, stop_after, runs)
     first = prepare(cfg.with_seed(seeds[0]))  # fail on bad input before writing anything
     runs = build_runs(cfg.with_seed(seeds[0]), first, out / f"seed{seeds[0]}")
+    for seed in seeds[1:]:  # each seed draws its own partition, which may refuse: check it now, keep only one
+        build_runs(cfg.with_seed(seed), prepare(cfg.with_seed(seed)), out / f"seed{seed}")
     _start(out, resume)
     if not resume:
         atomic_write(out / "config.yaml", dump_config(cfg).encode())
