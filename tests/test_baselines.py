@@ -30,7 +30,8 @@ def cohort_of(cfg, data, model, cids, rnd=1):
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("fedavg", []), ("fedprox", ["fedprox.mu=0.5"]), ("local", []), ("pfedme", []), ("perfedavg", []),
+    ("fedavg", []), ("fedprox", ["fedprox.mu=0.5"]), ("local", []),
+    ("pfedme", ["pfedme.personal_lr=0.01", "pfedme.lamda=20"]), ("perfedavg", []),  # pFedMe's Synthetic setting
     ("perfedavg", ["perfedavg.variant=hf", "perfedavg.beta=0.05"]),
     ("fedavg", ["local.steps=0", "local.epochs=1", "local.momentum=0.9", "local.weight_decay=0.01"]),
 ])
@@ -97,10 +98,12 @@ def test_pfedme_all_clients_train_and_keep_their_personal_models(tmp_path):
 
 def test_pfedme_beta_mixes_the_old_global_model():
     _, _, model, algo = setup("pfedme", "pfedme.beta=0.25")
-    w = torch.zeros(model.size)
-    updates = {0: {"weights": torch.ones(model.size)}, 1: {"weights": 3 * torch.ones(model.size)}}
-    new = algo.aggregate({"weights": w}, updates, {0: 0.5, 1: 0.5}, 1)["weights"]
-    assert torch.allclose(new, torch.full((model.size,), 0.25 * 2.0))
+    w = torch.full((model.size,), 4.0)
+    updates = {0: {"weights": torch.ones(model.size)}, 1: {"weights": 3 * torch.ones(model.size)},
+               2: {"weights": 100 * torch.ones(model.size)}}  # trained, not sampled: no part in the mix
+    new = algo.aggregate({"weights": w}, updates, {0: 0.25, 1: 0.75}, 1)["weights"]
+    # (1 - beta) w + beta (0.25 * 1 + 0.75 * 3) = 0.75 * 4 + 0.25 * 2.5
+    assert torch.allclose(new, torch.full((model.size,), 0.75 * 4.0 + 0.25 * 2.5))
 
 
 def test_perfedavg_first_order_step_by_hand():
@@ -127,13 +130,148 @@ def test_perfedavg_first_order_step_by_hand():
     assert torch.allclose(update["weights"], expected, atol=1e-6)
 
 
-def test_perfedavg_hessian_free_differs_from_first_order():
-    cfg, data, model, fo = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=1")
-    _, _, _, hf = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=1", "perfedavg.variant=hf")
+def plain_loss(cfg, data, dtype=torch.float64):
+    """f(params; batch) of the run's model as a function of one flat parameter vector (torch.func, no FlatModel):
+    the mean cross-entropy on a batch, in `dtype`."""
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(dtype)
+    shapes = [(name, p.shape, p.numel()) for name, p in net.named_parameters()]
+
+    def f(params, x, y):
+        tensors, at = {}, 0
+        for name, shape, k in shapes:
+            tensors[name] = params[at: at + k].view(shape)
+            at += k
+        return torch.nn.functional.cross_entropy(torch.func.functional_call(net, tensors, (x.to(dtype),)), y)
+    return f
+
+
+def reference_stream(n: int, b: int, steps: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """A client's mini-batch stream as specified: successive seeded permutations of its n samples, each cut into
+    batches of b (the last one of a pass shorter), `steps` batches in all."""
+    out: list[torch.Tensor] = []
+    while len(out) < steps:
+        perm = torch.randperm(n, generator=gen)
+        out += [perm[s: s + b] for s in range(0, n, b)]
+    return out[:steps]
+
+
+def test_perfedavg_hessian_free_steps_by_hand():
+    """Two HF meta-steps (specs §6.3): theta' = theta0 - alpha grad f(theta0; D1), g = grad f(theta'; D2),
+    h = Hessian f(theta0; D3) g (here exact, by autograd's hvp: the library's finite difference converges to it),
+    theta = theta0 - beta (g - alpha h). Each step takes three fresh batches of the client's stream."""
+    alpha, beta = 0.05, 0.5
+    cfg, data, model, algo = setup("perfedavg", "model.name=mlr", "perfedavg.variant=hf", f"perfedavg.beta={beta}",
+                                   f"local.lr={alpha}", "local.steps=2")
+    cid, rnd = 6, 1
     init = model.state()
-    a = fo.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [2]).client(0))[0]["weights"]
-    b = hf.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [2]).client(0))[0]["weights"]
-    assert not torch.allclose(a, b) and (a - b).norm() < (a - init).norm()  # a correction, not another step
+    update, _ = algo.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [cid], rnd).client(0))
+
+    f = plain_loss(cfg, data)
+    client = data.client(cid)
+    batches = reference_stream(client.num_train, cfg.local.batch_size, 6, seeded_generator(cfg.seed, rnd, cid))
+
+    def on(idx):
+        return lambda params: f(params, client.x_train[idx], client.y_train[idx])
+
+    theta = init.double()
+    first_losses, corrections = [], []
+    for s in range(2):
+        d1, d2, d3 = batches[3 * s: 3 * s + 3]
+        first_losses.append(float(on(d1)(theta)))
+        inner = theta - alpha * torch.func.grad(on(d1))(theta)
+        g = torch.func.grad(on(d2))(inner)
+        _, h = torch.autograd.functional.hvp(on(d3), theta, g)
+        corrections.append(beta * alpha * h)
+        theta = theta - beta * (g - alpha * h)
+    assert torch.allclose(update["weights"].double(), theta, atol=2e-5)
+    # the Hessian term is far above that tolerance, so a step without it or with its sign flipped cannot pass
+    assert min(float(c.abs().max()) for c in corrections) > 100 * 2e-5
+    assert update["train_loss"] == pytest.approx(sum(first_losses) / 2, rel=1e-5)
+    assert update["num_samples"] == client.num_train
+
+
+@pytest.mark.parametrize("variant, k", [("fo", 2), ("hf", 3)])
+def test_perfedavg_epochs_give_ceil_of_the_epochs_batches_over_batches_per_step(variant, k):
+    """With `local.epochs`, the meta-step count is ceil(epochs * ceil(n / b) / k): client 4 has n = 48, b = 20,
+    so one epoch is 3 batches, i.e. 2 FO steps (4 batches, the 4th from the next permutation) or 1 HF step."""
+    cfg, data, model, algo = setup("perfedavg", "model.name=mlr", f"perfedavg.variant={variant}",
+                                   "perfedavg.beta=0.05", "local.lr=0.05", "local.steps=0", "local.epochs=1")
+    cid = 4
+    client = data.client(cid)
+    assert client.num_train == 48 and cfg.local.batch_size == 20
+    steps = -(-3 // k)
+    init = model.state()
+    update, _ = algo.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [cid]).client(0))
+
+    f = plain_loss(cfg, data)
+    batches = reference_stream(48, 20, steps * k, seeded_generator(cfg.seed, 1, cid))
+
+    def on(idx):
+        return lambda params: f(params, client.x_train[idx], client.y_train[idx])
+
+    theta = init.double()
+    for s in range(steps):
+        d = batches[k * s: k * s + k]
+        g = torch.func.grad(on(d[1]))(theta - 0.05 * torch.func.grad(on(d[0]))(theta))
+        if variant == "hf":
+            g = g - 0.05 * torch.autograd.functional.hvp(on(d[2]), theta, g)[1]
+        assert float((0.05 * g).abs().max()) > 100 * 2e-5  # every step moves theta: one step less cannot pass
+        theta = theta - 0.05 * g
+    assert torch.allclose(update["weights"].double(), theta, atol=2e-5)
+
+
+@pytest.mark.parametrize("R, K", [(4, 3), (1, 1)])
+@pytest.mark.parametrize("cids", [[4], [0, 2, 4, 5]], ids=["one client", "lockstep"])
+def test_pfedme_local_update_is_the_official_solver(cids, R, K):
+    """pFedMe's local solver written out (specs §3.1) for R batches x K steps, with eta != personal_lr:
+    theta and w_loc start at w; per batch, K times theta <- theta - plr (grad f(theta) + lambda (theta - w_loc)
+    + mu theta), then w_loc <- w_loc - eta lambda (w_loc - theta). The client uploads w_loc and keeps theta.
+    Client 4 has 48 samples in batches of 20: its 4th batch comes from the next permutation."""
+    eta, plr, lam, mu = 0.03, 0.01, 20.0, 0.001
+    cfg, data, model, algo = setup("pfedme", f"pfedme.eta={eta}", f"pfedme.personal_lr={plr}", f"pfedme.lamda={lam}",
+                                   f"pfedme.mu={mu}", f"pfedme.local_rounds={R}", f"pfedme.inner_steps={K}")
+    init = model.state()
+    updates, states = algo.client_update_many([{"weights": init}] * len(cids),
+                                              [algo.init_client(c, init) for c in cids],
+                                              cohort_of(cfg, data, model, cids))
+    f = plain_loss(cfg, data)
+    for cid, update, cstate in zip(cids, updates, states):
+        client = data.client(cid)
+        theta, w_loc = init.double(), init.double()
+        losses = []
+        for idx in reference_stream(client.num_train, cfg.local.batch_size, R, seeded_generator(cfg.seed, 1, cid)):
+            x, y = client.x_train[idx], client.y_train[idx]
+            for _ in range(K):
+                losses.append(float(f(theta, x, y)))
+                g = torch.func.grad(f)(theta, x, y)
+                theta = theta - plr * (g + lam * (theta - w_loc) + mu * theta)
+            w_loc = w_loc - eta * lam * (w_loc - theta)
+        assert torch.allclose(update["weights"].double(), w_loc, atol=1e-5), cid
+        assert torch.allclose(cstate["personal"].double(), theta, atol=1e-5), cid
+        assert update["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+        assert update["num_samples"] == client.num_train
+
+
+@pytest.mark.parametrize("cids", [[4], [0, 2, 4, 5]], ids=["one client", "lockstep"])
+def test_fedprox_local_update_is_sgd_with_the_proximal_term(cids):
+    """FedProx's local step (specs §6.2): theta <- theta - lr (grad f(theta) + mu (theta - w)) on each of the
+    client's 6 batches, w the global model it was sent."""
+    mu, lr, steps = 1.0, 0.05, 6
+    cfg, data, model, algo = setup("fedprox", f"fedprox.mu={mu}", f"local.lr={lr}", f"local.steps={steps}")
+    w = model.state()
+    updates, _ = algo.client_update_many([{"weights": w}] * len(cids), [{} for _ in cids],
+                                         cohort_of(cfg, data, model, cids))
+    f = plain_loss(cfg, data)
+    for cid, update in zip(cids, updates):
+        client = data.client(cid)
+        theta, w64, losses = w.double(), w.double(), []
+        for idx in reference_stream(client.num_train, 20, steps, seeded_generator(cfg.seed, 1, cid)):
+            x, y = client.x_train[idx], client.y_train[idx]
+            losses.append(float(f(theta, x, y)))
+            theta = theta - lr * (torch.func.grad(f)(theta, x, y) + mu * (theta - w64))
+        assert torch.allclose(update["weights"].double(), theta, atol=1e-6), cid
+        assert update["train_loss"] == pytest.approx(sum(losses) / steps, rel=1e-5)
+        assert update["num_samples"] == client.num_train
 
 
 def test_perfedavg_evaluation_adapts_on_train_data_only(tmp_path):
@@ -194,3 +332,108 @@ def test_every_comparison_table_has_the_majority_label_row(tmp_path):
     run_experiment(cfg, tmp_path, log=lambda s: None)
     table = (tmp_path / "comparison.md").read_text()
     assert "majority label (reference)" in table
+
+
+IMAGES = ["dataset.name=mnist5k", "partition.scheme=iid", "partition.num_clients=2", "partition.samples_per_client=60",
+          "model.name=cnn_bn", "local.batch_size=20", "progress=false", "plots=false", "checkpoint_every=0"]
+
+
+def image_setup(name: str, *extra: str):
+    cfg = load_config(None, IMAGES + list(extra), name).for_algorithm(name)
+    data = prepare(cfg)
+    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
+    return cfg, data, model, ALGORITHMS[name](cfg.params(name), model, data.num_clients, cfg)
+
+
+@pytest.mark.parametrize("gradient", ["personal", "local"])
+def test_pfedcs_representative_gradient_is_the_personal_models_move(gradient):
+    """pfedcs.gradient=personal: the update carries theta~ - w over the parameters only (BatchNorm statistics are no
+    gradient); `local` sends none (the engine then takes w_loc - w). On a BatchNorm CNN (the per-client path), one
+    batch and one step: the reported loss is the loss of w on that batch."""
+    cfg, data, model, algo = image_setup("pfedcs", f"pfedcs.gradient={gradient}", "pfedcs.local_rounds=1",
+                                         "pfedcs.inner_steps=1")
+    w = model.state()
+    P = model.param_size
+    assert P < model.size  # the vector also holds BN statistics
+    (update,), (cstate,) = algo.client_update_many([{"weights": w}], [algo.init_client(0, w)],
+                                                   cohort_of(cfg, data, model, [0]))
+    if gradient == "personal":
+        assert update["gradient"].shape == (P,)
+        assert torch.allclose(update["gradient"], cstate["personal"][:P] - w[:P])
+    else:
+        assert "gradient" not in update
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    net.train()
+    client = data.client(0)
+    idx = reference_stream(client.num_train, 20, 1, seeded_generator(cfg.seed, 1, 0))[0]
+    with torch.no_grad():
+        loss = float(torch.nn.functional.cross_entropy(net(client.x_train[idx]), client.y_train[idx]))
+    assert update["train_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_local_on_a_batchnorm_cnn_is_plain_sgd_on_the_clients_own_model():
+    """Local trains each client's own model (specs §6.8): here two steps of SGD on client 1's stream, on a model
+    that cannot train in lockstep (BatchNorm), equal to torch.optim.SGD on the same batches."""
+    cfg, data, model, algo = image_setup("local", "local.steps=2", "local.lr=0.1")
+    init = model.state()
+    states = [algo.init_client(c, init) for c in (0, 1)]
+    updates, new_states = algo.client_update_many([{}, {}], states, cohort_of(cfg, data, model, [0, 1]))
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    client = data.client(1)
+    losses = []
+    for idx in reference_stream(client.num_train, 20, 2, seeded_generator(cfg.seed, 1, 1)):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(client.x_train[idx]), client.y_train[idx])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    want = torch.cat([p.detach().flatten() for p in net.parameters()]
+                     + [b.flatten() for n, b in net.named_buffers() if "num_batches" not in n])
+    assert torch.allclose(new_states[1]["weights"], want, atol=1e-5)
+    assert updates[1] == {"num_samples": client.num_train, "train_loss": pytest.approx(sum(losses) / 2, rel=1e-5)}
+
+
+@pytest.mark.parametrize("cids", [[3], [0, 2, 3, 5]], ids=["one client", "lockstep"])
+def test_perfedavg_adaptation_is_adapt_steps_of_sgd_on_the_train_stream(cids):
+    """Before evaluation Per-FedAvg adapts the global model with `adapt_steps` plain SGD steps of alpha = local.lr on
+    batches of local.batch_size from the client's evaluation stream, seeded (seed, round, client, 0xE7A1)."""
+    lr, b, steps, rnd = 0.1, 15, 2, 3
+    cfg, data, model, algo = setup("perfedavg", f"local.lr={lr}", f"local.batch_size={b}",
+                                   f"perfedavg.adapt_steps={steps}")
+    w = model.state()
+    train_only = data.train_only()
+    cohort = Cohort(cids, rnd, train_only, model, cfg.local, [seeded_generator(cfg.seed, rnd, c, 0xE7A1) for c in cids])
+    adapted = algo.adapt_many([w] * len(cids), cohort)
+    f = plain_loss(cfg, data)
+    for cid, got in zip(cids, adapted):
+        client = data.client(cid)
+        theta = w.double()
+        for idx in reference_stream(client.num_train, b, steps, seeded_generator(cfg.seed, rnd, cid, 0xE7A1)):
+            theta = theta - lr * torch.func.grad(f)(theta, client.x_train[idx], client.y_train[idx])
+        assert torch.allclose(got.double(), theta, atol=1e-6), cid
+
+
+def test_perfedavg_meta_step_count():
+    """local.steps > 0: that many meta-steps; local.epochs: ceil(epochs * ceil(n / b) / k), k = 2 (FO) or 3 (HF)."""
+    from pfedkit.config import LocalConfig
+    _, _, _, fo = setup("perfedavg")
+    _, _, _, hf = setup("perfedavg", "perfedavg.variant=hf")
+    epochs3 = LocalConfig(epochs=3, steps=0, batch_size=20)
+    assert fo.meta_steps(21, epochs3) == 3 and hf.meta_steps(21, epochs3) == 2  # 3 epochs x 2 batches = 6 batches
+    assert fo.meta_steps(40, epochs3) == 3 and hf.meta_steps(40, epochs3) == 2
+    assert fo.meta_steps(5, LocalConfig(epochs=1, steps=0, batch_size=20)) == 1  # fewer batches than a step needs
+    assert fo.meta_steps(500, LocalConfig(epochs=1, steps=4, batch_size=20)) == 4
+
+
+def test_pfedcs_personal_gradient_in_lockstep():
+    """The same message from the lockstep path (a dense model, four clients): gradient = theta~ - w per client."""
+    cfg, data, model, algo = setup("pfedcs", "pfedcs.gradient=personal", "pfedcs.local_rounds=2",
+                                   "pfedcs.inner_steps=2")
+    w = model.state()
+    cids = [0, 2, 4, 5]
+    updates, states = algo.client_update_many([{"weights": w}] * 4, [algo.init_client(c, w) for c in cids],
+                                              cohort_of(cfg, data, model, cids))
+    for update, cstate in zip(updates, states):
+        assert torch.allclose(update["gradient"], cstate["personal"] - w)
+        assert float(update["gradient"].abs().max()) > 1e-4

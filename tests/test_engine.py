@@ -85,11 +85,28 @@ def test_same_config_and_seed_give_identical_metrics(tmp_path):
 
 
 def test_every_algorithm_sees_the_same_clients_each_round(tmp_path):
-    from pfedkit.sampling import uniform_sample
-    streams = [[uniform_sample(3, r, 20, 5) for r in range(1, 30)] for _ in range(2)]
-    assert streams[0] == streams[1]
-    assert len({tuple(s) for s in streams[0]}) > 20  # and it does vary over rounds
-    assert all(len(set(s)) == 5 for s in streams[0])
+    """The uniform stream depends only on (seed, round, client count) (DESIGN.md, principle 4): round r trains the
+    sorted draw of `per_round` distinct clients of numpy's Generator([seed, r, n, 0x5A3]), for every algorithm."""
+    seed, n, m, rounds = 3, 6, 3, 4
+    cfg = small_cfg(f"seed={seed}", f"clients_per_round={m}", f"rounds={rounds}", "checkpoint_every=0",
+                    algorithms="fedavg,pfedla")
+    data = prepare(cfg)
+    expected = {r: sorted(int(c) for c in np.random.default_rng([seed, r, n, 0x5A3]).choice(n, m, replace=False))
+                for r in range(1, rounds + 1)}
+    assert len({tuple(v) for v in expected.values()}) > 1  # the draw changes over rounds
+    for name in ("fedavg", "pfedla"):
+        run = Run(cfg.for_algorithm(name), data, tmp_path / name)
+        trained: dict[int, list[int]] = {}
+        original = run.algo.client_update_many
+
+        def record(payloads, cstates, cohort, original=original, trained=trained):
+            trained.setdefault(cohort.round, []).extend(cohort.cids)
+            return original(payloads, cstates, cohort)
+
+        run.algo.client_update_many = record
+        run.run()
+        assert trained == expected, name
+        assert all(r["clients"] == m and r["aggregated"] == m for r in run.metrics)
 
 
 def test_resumed_run_equals_uninterrupted(tmp_path):
@@ -140,8 +157,74 @@ def test_metrics_rows_hold_the_contract_keys(tmp_path):
     assert keys <= set(rows[0])
     for r in rows:
         assert 0 <= r["personalized_acc"] <= 1 and 0 <= r["global_acc"] <= 1
+        assert r["personalized_train_loss"] is None and r["global_train_loss"] is None  # eval_train is off
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_last5"] == pytest.approx(np.mean([r["personalized_acc"] for r in rows]))
     assert summary["personalized_acc"] == rows[-1]["personalized_acc"]
     per_client = np.array(summary["personalized_acc_per_client"])
     assert per_client.mean() == pytest.approx(rows[-1]["personalized_acc"])
+
+
+def plain_scores(cfg, data, vector, cid):
+    """(correct test predictions, summed train cross-entropy) of one flat parameter vector on client `cid`: a plain
+    forward pass of a fresh copy of the model."""
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    torch.nn.utils.vector_to_parameters(vector, net.parameters())
+    net.eval()
+    c = data.client(cid)
+    with torch.no_grad():
+        correct = int((net(c.x_test).argmax(1) == c.y_test).sum())
+        loss = float(F.cross_entropy(net(c.x_train), c.y_train, reduction="sum"))
+    return correct, loss
+
+
+def percentile_10(values) -> float:
+    """The 10th percentile by linear interpolation between order statistics (position 0.1 (N - 1))."""
+    v = sorted(values)
+    pos = 0.1 * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (pos - lo) * (v[hi] - v[lo])
+
+
+@pytest.mark.parametrize("name, chunk", [("fedavg", 256), ("pfedme", 256), ("pfedme", 4)])
+def test_metrics_are_the_defined_statistics_of_the_clients_accuracies(tmp_path, monkeypatch, name, chunk):
+    """DESIGN.md principle 3: personalized accuracy on every client's own test split, reported as the mean over
+    clients, the test-size weighted mean, the population std and the 10th percentile; the global model's as the
+    mean over clients and pooled (correct / test samples); train losses pooled over train samples. All recomputed
+    here from the final models (plain forward passes) and partition.json's test counts. chunk = 4: the clients'
+    models are built 4 at a time (6 clients: two chunks)."""
+    monkeypatch.setattr("pfedkit.engine.EVAL_CHUNK", chunk)
+    cfg = small_cfg("rounds=1", "eval_train=true", "checkpoint_every=0", "pfedme.local_rounds=2",
+                    "pfedme.inner_steps=2", algorithms=name)
+    data = prepare(cfg)
+    run = Run(cfg.for_algorithm(name), data, tmp_path)
+    run.run()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    test_sizes = [sum(c) for c in json.loads((tmp_path / "partition.json").read_text())["test_counts"]]
+    train_sizes = [data.client(c).num_train for c in range(data.num_clients)]
+    assert len(set(test_sizes)) > 1 and len({a / b for a, b in zip(train_sizes, test_sizes)}) > 1
+
+    personal = [s["personal"] for s in run.cstates] if name == "pfedme" else [run.state["weights"]] * 6
+    scores = [plain_scores(cfg, data, personal[c], c) for c in range(6)]
+    g_scores = [plain_scores(cfg, data, run.state["weights"], c) for c in range(6)]
+    acc = [k / t for (k, _), t in zip(scores, test_sizes)]
+    g_acc = [k / t for (k, _), t in zip(g_scores, test_sizes)]
+    assert len(set(acc)) > 2 and len(set(g_acc)) > 2  # the statistics below tell the formulas apart
+    assert summary["personalized_acc_per_client"] == pytest.approx(acc, abs=1e-12)
+
+    mean = sum(acc) / 6
+    expected = {
+        "personalized_acc": mean,
+        "personalized_acc_weighted": sum(k for k, _ in scores) / sum(test_sizes),
+        "personalized_acc_std": (sum((a - mean) ** 2 for a in acc) / 6) ** 0.5,
+        "personalized_acc_p10": percentile_10(acc),
+        "global_acc": sum(g_acc) / 6,
+        "global_acc_weighted": sum(k for k, _ in g_scores) / sum(test_sizes),
+        "personalized_train_loss": sum(l for _, l in scores) / sum(train_sizes),
+        "global_train_loss": sum(l for _, l in g_scores) / sum(train_sizes),
+    }
+    row = metric_rows(tmp_path)[-1]
+    for key, value in expected.items():
+        assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+        assert summary[key] == row[key], key

@@ -11,6 +11,7 @@ from pfedkit.config import load_config
 from pfedkit.engine import Run
 from pfedkit.errors import ConfigError, UpdateError
 from pfedkit.experiment import prepare, run_experiment
+from pfedkit.models import build_model
 from pfedkit.sampling import Sampler
 
 SYNTH = ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=12", "model.name=mlr",
@@ -75,7 +76,8 @@ def test_pfedcs_comparison_on_synthetic_writes_the_papers_figures(tmp_path, mode
                                      "pfedcs.local_rounds=5", "pfedme.local_rounds=5", "clustering.clusters=6",
                                      f"model.name={model}", "model.hidden=20"],
                       "pfedcs,pfedme,fedavg,fedprox,perfedavg")
-    summaries = {s["algorithm"]: s for s in run_experiment(cfg, tmp_path, log=lambda s: None)}
+    data = prepare(cfg)
+    summaries = {s["algorithm"]: s for s in run_experiment(cfg, tmp_path, data=data, log=lambda s: None)}
     assert set(summaries) == {"pfedcs", "pfedme", "fedavg", "fedprox", "perfedavg"}
     for name, s in summaries.items():
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -86,8 +88,22 @@ def test_pfedcs_comparison_on_synthetic_writes_the_papers_figures(tmp_path, mode
     table = (tmp_path / "comparison.md").read_text()
     assert "majority label" in table
     assert (tmp_path / "comparison.png").is_file()
-    # personal models: pFedMe-style methods evaluate theta~, not the global model
-    assert summaries["pfedcs"]["personalized_acc"] != summaries["pfedcs"]["global_acc"]
+    # pFedMe-style methods are evaluated with each client's personal model theta~ (the client state), the global
+    # accuracy with w: both recomputed from the checkpoint with a plain forward pass on every client's test split
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+
+    def accuracy(vector, cid):
+        torch.nn.utils.vector_to_parameters(vector, net.parameters())
+        c = data.client(cid)
+        with torch.no_grad():
+            return float((net(c.x_test).argmax(1) == c.y_test).double().mean())
+
+    for name in ("pfedcs", "pfedme"):
+        ck = torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+        personal = [accuracy(ck["clients"][c]["personal"], c) for c in range(12)]
+        assert summaries[name]["personalized_acc_per_client"] == pytest.approx(personal, abs=1e-12), name
+        assert summaries[name]["global_acc"] == pytest.approx(
+            np.mean([accuracy(ck["server"]["weights"], c) for c in range(12)]), abs=1e-12), name
 
 
 def test_equal_importance_weighs_clients_alike():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pfedkit.algorithms.pfedla import HeurPFedLA, PFedLA, layer_groups
+from pfedkit.algorithms.pfedla import HN_KEYS, HeurPFedLA, PFedLA, layer_groups
 from pfedkit.config import load_config
 from pfedkit.engine import Run, tensor_bytes
 from pfedkit.experiment import prepare
@@ -253,19 +253,54 @@ def test_the_reference_codes_sign_moves_mass_the_wrong_way():
 
 # ---- through the engine --------------------------------------------------------------------------------------------
 
-def test_sequential_round_serves_later_clients_with_earlier_updates(tmp_path):
-    base = ["dataset.name=digits", "model.name=mlr", "partition.num_clients=5", "partition.classes_per_client=3",
-            "rounds=2", "progress=false", "plots=false", "checkpoint_every=0"]
-    sync = load_config(None, base, "pfedla")
-    seq = load_config(None, base + ["pfedla.sequential=true"], "pfedla")
-    data = prepare(sync)
-    runs = []
-    for cfg, name in ((sync, "sync"), (seq, "seq")):
-        run = Run(cfg.for_algorithm("pfedla"), data, tmp_path / name)
-        run.run()
-        runs.append(run)
-    assert runs[0].metrics[-1]["bytes_down"] == runs[1].metrics[-1]["bytes_down"]
-    assert not torch.equal(runs[0].state["theta"], runs[1].state["theta"])
+def test_sequential_round_serves_each_client_the_state_left_by_the_previous_one(tmp_path):
+    """`pfedla.sequential` (specs §1.5, the reference code's order): the sampled clients are served one after
+    another, and each one's payload is mixed after the previous clients' aggregation, i.e. from Theta with the
+    earlier clients' rows replaced by what they trained, through the hypernetwork's updated rows. Recomputed here
+    with a plain loop over layers and clients (ReferenceHN), and the hypernetwork's SGD step by autograd."""
+    base = ["dataset.name=digits", "model.name=mlr", f"partition.num_clients={N}", "partition.classes_per_client=3",
+            "rounds=1", "clients_per_round=3", "progress=false", "plots=false", "checkpoint_every=0",
+            "pfedla.sequential=true", "pfedla.hn_lr=0.5"]
+    cfg = load_config(None, base, "pfedla")
+    run = Run(cfg.for_algorithm("pfedla"), prepare(cfg), tmp_path)
+    algo = run.algo
+    start = algo.init_server(run.model.state())  # the server state before round 1
+    served = []
+    original = algo.client_update_many
+
+    def record(payloads, cstates, cohort):
+        updates, states = original(payloads, cstates, cohort)
+        served.extend(zip(cohort.cids, payloads, updates))
+        return updates, states
+
+    algo.client_update_many = record
+    run.run()
+    assert len(served) == 3 and len({c for c, _, _ in served}) == 3
+
+    initial = {"theta": start["theta"].double(), "hn": {k: v.double() for k, v in start["hn"].items()}}
+    state = initial
+    for cid, payload, update in served:
+        trained = update["weights"].double()
+        vector, _, _, grads = reference_round(algo, state, cid, trained)
+        for name, s in algo.groups:
+            assert torch.allclose(payload[name].double(), vector[s], atol=1e-5), (cid, name)
+        # this client's aggregation, by hand: its hypernetwork takes one SGD step, its row of Theta is replaced
+        hn = {k: v.clone() for k, v in state["hn"].items()}
+        rows = as_rows({k: v[cid][None] for k, v in hn.items()}, 0, len(algo.groups))  # views into the clones
+        for key, g in grads.items():
+            if g is not None:
+                rows[key] -= cfg.params("pfedla").hn_lr * g
+        theta = state["theta"].clone()
+        theta[cid] = trained
+        state = {"theta": theta, "hn": hn}
+    for key, value in state["hn"].items():
+        assert torch.allclose(run.state["hn"][key].double(), value, atol=1e-5), key
+    assert torch.allclose(run.state["theta"].double(), state["theta"], atol=1e-6)
+    assert (tmp_path / "alpha.npz").is_file() and not (tmp_path / "alpha_retained.npz").exists()  # k = 0: none kept
+    # the check above tells the orders apart: mixed from the round's initial state, the second payload is far off
+    second, payload, _ = served[1]
+    stale, _, _, _ = reference_round(algo, initial, second)
+    assert max(float((stale[s] - payload[name].double()).abs().max()) for name, s in algo.groups) > 1e-3
 
 
 def test_alpha_is_logged_at_every_evaluation(tmp_path):
@@ -280,6 +315,9 @@ def test_alpha_is_logged_at_every_evaluation(tmp_path):
     assert a.shape == (5, 2, 5) and np.allclose(a.sum(-1), 1)
     kept = np.load(tmp_path / "alpha_retained.npz")["r00004"]
     assert kept.shape == (5, 2) and (kept.sum(1) == 1).all()
+    info = __import__("json").loads((tmp_path / "algorithm.json").read_text())
+    assert info["alpha_layers"] == ["fc1", "fc2"]  # the names of alpha's layer axis
+    assert info["alpha_axes"] == ["target client", "layer", "source client"]
     assert not (tmp_path / "observables").exists()
 
 
@@ -301,3 +339,122 @@ def test_reduced_table1_preset_on_full_fmnist(tmp_path):
         for f in ("alpha.npz", "alpha_heatmap.png", "alpha_layers.png", "alpha_evolution.png", "algorithm.json"):
             assert (tmp_path / name / f).is_file(), f
     assert all(s["personalized_acc"] > s["majority_label_acc"] for s in summaries.values())
+
+
+# ---- initialisation, options ------------------------------------------------------------------------------------
+
+def test_hypernetworks_start_as_specified():
+    """specs §1.2: embedding N(0, 1); trunk Linear layers PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for
+    weights and biases; heads U(0, 1) with zero bias; stored in the model's dtype."""
+    cfg = load_config(None, ["model.name=mlr"])
+    fm = FlatModel(build_model(cfg.model, (1, 2, 2), 10, 0).double())
+    algo = PFedLA(cfg.params("pfedla"), fm, 20, cfg)
+    hn = algo.init_server(fm.state())["hn"]
+    assert all(v.dtype == torch.float64 for v in hn.values())
+    assert hn["emb"].shape == (20, 100) and abs(float(hn["emb"].std()) - 1) < 0.05 and abs(float(hn["emb"].mean())) < 0.05
+    for k in (1, 2, 3):  # fan_in 100 everywhere (embedding 100, hidden 100): bound 0.1
+        for name in (f"w{k}", f"b{k}"):
+            v = hn[name]
+            assert float(v.abs().max()) <= 0.1 and float(v.abs().max()) > 0.099, name
+    assert hn["head_w"].shape == (20, 1, 20, 100) and 0 <= float(hn["head_w"].min()) and float(hn["head_w"].max()) < 1
+    assert float(hn["head_w"].max()) > 0.999 and torch.equal(hn["head_b"], torch.zeros(20, 1, 20, dtype=torch.float64))
+
+
+def test_granularity_and_k_reach_the_algorithm():
+    algo, _, fm = make_algo(PFedLA, granularity="tensor")
+    assert [n for n, _ in algo.groups] == [n for n, s, _ in fm.names if s.stop <= fm.param_size]
+    assert algo.init_server(fm.state())["hn"]["head_w"].shape[1] == 14  # one head per parameter tensor
+    kept_all, state, _ = make_algo(HeurPFedLA, k=7)  # every module layer kept: allowed
+    assert kept_all.payloads(state, [0], 1) == {0: {}}
+    from pfedkit.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"heurpfedla\.k.*8 is more than the model's 7 layers"):
+        make_algo(HeurPFedLA, k=8)
+
+
+def test_raw_selfweight_ranks_the_unnormalised_outputs():
+    """heurpfedla.selfweight=raw (the reference code): the kept layer is the one with the largest raw ReLU output at
+    the client's own index; `normalized` ranks alpha itself. Checked by hand on every client."""
+    algo_raw, state, _ = make_algo(HeurPFedLA, k=1, selfweight="raw")
+    algo_norm, _, _ = make_algo(HeurPFedLA, k=1, selfweight="normalized")
+    differ = 0
+    for cid in range(N):
+        hn = ReferenceHN(state["hn"], cid)
+        x = hn.emb
+        for lin in hn.trunk:
+            x = torch.relu(lin(x))
+        raw = torch.stack([torch.relu(head(x))[cid] for head in hn.heads]).detach()
+        normalized = torch.stack([a[cid] for a in hn(cid)]).detach()
+        got_raw = algo_raw._weights_of(state, [cid])[2][0]
+        got_norm = algo_norm._weights_of(state, [cid])[2][0]
+        assert int(got_raw.nonzero()) == int(raw.argmax()), cid
+        assert int(got_norm.nonzero()) == int(normalized.argmax()), cid
+        differ += int(raw.argmax()) != int(normalized.argmax())
+    assert differ > 0  # the two rankings disagree on some client here
+
+
+def test_hypernetwork_momentum_is_each_clients_own():
+    """hn_momentum m: per client v <- m v + g, psi <- psi - lr v (SGD with momentum, one velocity per client's
+    hypernetwork). Two rounds on the toy with different clients: client 1 trains in both, so its second step
+    carries its first gradient; client 4 only in the second, so its step is its gradient alone."""
+    lr, m = 0.05, 0.9
+    algo, state, opt, _ = toy(hn_lr=lr)
+    algo.params.hn_momentum = m
+    state = algo.init_server(state["theta"][0].clone()) | {"theta": state["theta"], "hn": state["hn"]}
+    assert set(state["hn_velocity"]) == set(HN_KEYS)
+    expected = {k: v.clone() for k, v in state["hn"].items()}
+    velocity = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
+    for cids in ([1, 2], [1, 4]):
+        trained = {c: state["theta"][c] - 0.1 * (state["theta"][c] - opt[c]) for c in cids}
+        for c in cids:  # reference gradients at the state the round starts from
+            _, _, _, grads = reference_round(algo, {"theta": state["theta"], "hn": expected}, c, trained[c])
+            v_rows = as_rows({k: v[c][None] for k, v in velocity.items()}, 0, 1)
+            p_rows = as_rows({k: v[c][None] for k, v in expected.items()}, 0, 1)
+            for key, g in grads.items():
+                g = torch.zeros_like(v_rows[key]) if g is None else g
+                v_rows[key].mul_(m).add_(g)
+                p_rows[key].sub_(lr * v_rows[key])
+        state = algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, {}, 1)
+    for key in HN_KEYS:
+        assert torch.allclose(state["hn"][key], expected[key], atol=1e-10), key
+        assert torch.allclose(state["hn_velocity"][key], velocity[key], atol=1e-10), key
+
+
+def test_client_trains_its_payload_with_kept_layers_from_its_own_copy():
+    """HeurPFedLA (k = 1) on a DNN: the client fills the layer it keeps from its own copy, the other from the
+    payload, then runs plain local SGD (one epoch, the seeded stream); it reports its sample count and mean loss."""
+    cfg = load_config(None, ["dataset.name=digits", "model.name=dnn", "model.hidden=16", f"partition.num_clients={N}",
+                             "partition.classes_per_client=3", "local.batch_size=50", "local.lr=0.2",
+                             "heurpfedla.k=1"], "heurpfedla")
+    data = prepare(cfg)
+    fm = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
+    algo = HeurPFedLA(cfg.params("heurpfedla"), fm, N, cfg)
+    state = algo.init_server(fm.state())
+    state["theta"] += 0.05 * torch.randn(state["theta"].shape, generator=torch.Generator().manual_seed(0))
+    cid = 2
+    payload = algo.payloads(state, [cid], 1)[cid]
+    own = fm.state() - 0.5  # the client's copy differs from the server's row, so its use is visible
+    assert len(payload) == 1
+    from pfedkit.train import seeded_generator
+    from pfedkit.algorithms import Cohort
+    cohort = Cohort([cid], 1, data, fm, cfg.local, [seeded_generator(cfg.seed, 1, cid)])
+    (update,), (cstate,) = algo.client_update_many([payload], [{"weights": own.clone()}], cohort)
+
+    start = own.clone()
+    (name,) = payload
+    start[algo.slices[name]] = payload[name]
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    torch.nn.utils.vector_to_parameters(start, net.parameters())
+    opt = torch.optim.SGD(net.parameters(), lr=0.2)
+    client = data.client(cid)
+    perm = torch.randperm(client.num_train, generator=seeded_generator(cfg.seed, 1, cid))
+    losses = []
+    for s in range(0, client.num_train, 50):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(client.x_train[perm[s: s + 50]]), client.y_train[perm[s: s + 50]])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    want = torch.cat([p.detach().flatten() for p in net.parameters()])
+    assert torch.allclose(update["weights"], want, atol=1e-6) and torch.equal(cstate["weights"], update["weights"])
+    assert update["num_samples"] == client.num_train
+    assert update["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)

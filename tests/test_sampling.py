@@ -495,13 +495,39 @@ def test_invalid_inputs_raise_clear_errors():
         draw_from_distributions(np.array([[0.5, 0.4]]), rng)
     with pytest.raises(ValueError, match="non-negative"):
         draw_from_distributions(np.array([[1.5, -0.5]]), rng)
+    for bad_clusters in (True, 2.0):
+        with pytest.raises(ValueError, match="clusters must be an integer"):
+            similarity_distributions(G, p, 2, clusters=bad_clusters, rng=rng)
+    for empty in (np.zeros((0, 3)), np.zeros((3, 0))):
+        with pytest.raises(ValueError, match="both sizes >= 1"):
+            distance_matrix(empty, "l2")
+    with pytest.raises(ValueError, match="^G contains non-finite values$"):
+        distance_matrix(np.array([[np.nan, 1.0], [0.0, 1.0]]), "cosine")
+    with pytest.raises(ValueError, match="distance kind"):
+        distance_matrix(G, 3)
+
+
+def test_distances_of_integer_and_one_dimensional_gradients():
+    """Any array-like of numbers, including integers and a single coordinate per client: by hand."""
+    np.testing.assert_allclose(distance_matrix([[1, 0], [0, 2], [3, 0]], "cosine"),
+                               [[0, np.pi / 2, 0], [np.pi / 2, 0, np.pi / 2], [0, np.pi / 2, 0]], atol=1e-12)
+    one = np.array([[1.0], [3.0], [-2.0]])
+    np.testing.assert_array_equal(distance_matrix(one, "l1"), [[0, 2, 3], [2, 0, 5], [3, 5, 0]])
+    np.testing.assert_allclose(distance_matrix(one, "l2"), [[0, 4, 9], [4, 0, 25], [9, 25, 0]], atol=1e-12)
 
 
 def test_uniform_sample_unchanged():
+    """Golden draws: the sorted `per_round` distinct clients numpy's Generator([seed, round, n, 0x5A3]).choice(n,
+    per_round, replace=False) gives (numpy's stream is stable across releases), recorded once; 0 or >= n: all."""
+    golden = {(1, 2, 50, 5): [16, 32, 38, 40, 46], (0, 1, 10, 3): [2, 4, 5], (3, 1, 6, 5): [1, 2, 3, 4, 5],
+              (7, 100, 1000, 10): [208, 479, 521, 588, 626, 704, 764, 807, 864, 900]}
+    for (seed, rnd, n, m), clients in golden.items():
+        assert uniform_sample(seed, rnd, n, m) == clients
+        assert clients == sorted(int(c) for c in np.random.default_rng([seed, rnd, n, 0x5A3]).choice(n, m, replace=False))
     assert uniform_sample(0, 3, 10, 0) == list(range(10))
-    got = uniform_sample(1, 2, 50, 5)
-    assert got == sorted(got) and len(set(got)) == 5
-    assert got == uniform_sample(1, 2, 50, 5)
+    assert uniform_sample(0, 3, 10, 10) == uniform_sample(0, 3, 10, 11) == list(range(10))
+    assert uniform_sample(0, 3, 10, -1) == list(range(10))
+    assert uniform_sample(0, 3, 10, 9) == [0, 1, 3, 4, 5, 6, 7, 8, 9]  # n - 1 is still a draw
 
 
 # ---- scale ---------------------------------------------------------------------------------------------------------
@@ -516,3 +542,33 @@ def test_scale_1000_clients_10000_parameters():
     for linkage_input, clusters in (("rows", 0), ("condensed", 20)):
         r = similarity_distributions(G, p, m, linkage_input=linkage_input, clusters=clusters, rng=rng)
         check_scheme(r, p, m)
+
+
+def test_a_first_merged_pair_heavier_than_a_row_is_split():
+    """Fraboni's cut keeps maximal subtrees of weight <= 1/m. Clients 0 and 1 (weights 0.45 each, almost the same
+    gradient) merge first, into a subtree of weight 0.9 > 1/2: it is cut into two single clients, each owning a row,
+    and client 2 (0.1) is poured over both rows. By hand, in row units m * p = (0.9, 0.9, 0.2)."""
+    G = np.array([[1.0, 0.0], [1.0, 0.001], [0.0, 1.0]])
+    p = np.array([0.45, 0.45, 0.1])
+    for linkage_input in ("rows", "condensed"):
+        r = similarity_distributions(G, p, 2, linkage_input=linkage_input, rng=np.random.default_rng(0))
+        np.testing.assert_allclose(r, [[0.9, 0.0, 0.1], [0.0, 0.9, 0.1]], atol=1e-12)
+
+
+def test_sampler_passes_the_clustering_options_on():
+    """`clustering.distance`, `linkage_input` and `clusters` reach Algorithm 2, and the shuffles draw from
+    Generator([seed, round, 0xC5]): the sampler's rows are Algorithm 2's for the same inputs."""
+    from pfedkit.config import ClusteringConfig
+    from pfedkit.sampling import Sampler
+    import torch
+    sizes = np.array([30, 10, 20, 25, 15, 40, 5, 35])
+    G = make_gradients(8, 6, seed=3, groups=3)
+    p = sizes / sizes.sum()
+    for distance, linkage_input, clusters in (("l1", "condensed", 3), ("l2", "rows", 0), ("cosine", "condensed", 5)):
+        c = ClusteringConfig(distance=distance, linkage_input=linkage_input, clusters=clusters)
+        s = Sampler("clustered_similarity", sizes, 3, seed=4, clustering=c)
+        state = s.observe(s.init_state(6, torch.zeros(6, dtype=torch.float64)),
+                          {i: torch.as_tensor(G[i]) for i in range(8)})
+        want = similarity_distributions(G, p, 3, distance=distance, linkage_input=linkage_input, clusters=clusters,
+                                        rng=np.random.default_rng([4, 7, 0xC5]))
+        np.testing.assert_array_equal(s.distributions(state, 7), want)
