@@ -37,7 +37,7 @@ def one(model: str, n: int, rounds: int) -> dict:
 
     cfg = load_config(None, [f"model.name={SHAPES[model][0]}", f"partition.num_clients={n}"])
     fm = FlatModel(build_model(cfg.model, SHAPES[model][1], 10, 0))
-    algo = PFedLA(cfg.params("pfedla"), fm, n, cfg)
+    algo = PFedLA(cfg.params("pfedla"), fm, n, cfg.seed)
     state = algo.init_server(fm.state())
     state_mb = (state["theta"].numel() + sum(v.numel() for v in state["hn"].values())) * 4 / 1e6
     per_round = n if n <= 10 else n // 10

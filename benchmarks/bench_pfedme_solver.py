@@ -15,7 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pfedkit.algorithms import ALGORITHMS, Algorithm, Cohort
+from pfedkit.algorithms import ALGORITHMS
+from pfedkit.train import Cohort
 from pfedkit.config import load_config
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
@@ -28,7 +29,7 @@ def setup(model: str, clients: int):
                              "pfedme.personal_lr=0.01", "pfedme.lamda=20"], "pfedme").for_algorithm("pfedme")
     data = prepare(cfg)
     fm = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
-    return cfg, data, fm, ALGORITHMS["pfedme"](cfg.params("pfedme"), fm, data.num_clients, cfg)
+    return cfg, data, fm, ALGORITHMS["pfedme"](cfg.params("pfedme"), fm, data.num_clients, cfg.seed)
 
 
 def cohort(cfg, data, fm):
@@ -79,14 +80,14 @@ def main() -> None:
         cstates = [algo.init_client(c, init) for c in range(data.num_clients)]
         steps = data.num_clients * algo.params.local_rounds * algo.params.inner_steps
         best = {"bare": float("inf"), "loop": float("inf"), "lockstep": float("inf")}
-        algo.client_update_many(payloads, cstates, cohort(cfg, data, fm))  # warm-up
+        algo.client_update(payloads, cstates, cohort(cfg, data, fm))  # warm-up
         for _ in range(args.repeats):
             best["bare"] = min(best["bare"], bare_loop(cfg, data))
             t0 = time.perf_counter()
-            loop, _ = Algorithm.client_update_many(algo, payloads, cstates, cohort(cfg, data, fm))
+            loop, _ = Algorithm.client_update(algo, payloads, cstates, cohort(cfg, data, fm))
             best["loop"] = min(best["loop"], time.perf_counter() - t0)
             t0 = time.perf_counter()
-            lock, _ = algo.client_update_many(payloads, cstates, cohort(cfg, data, fm))
+            lock, _ = algo.client_update(payloads, cstates, cohort(cfg, data, fm))
             best["lockstep"] = min(best["lockstep"], time.perf_counter() - t0)
         worst = max(float((a["weights"] - b["weights"]).abs().max()) for a, b in zip(loop, lock))
         assert worst < 1e-4, f"lockstep and per-client results differ by {worst}"

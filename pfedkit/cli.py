@@ -23,6 +23,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run from its checkpoint")
     run.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its files, "
                      "checkpoint included, are deleted once the new config has been checked)")
+    run.add_argument("--runtime", choices=("inprocess", "flower", "loopback"), default="inprocess",
+                     help="inprocess: the fast simulator (default); flower: Flower's simulation runtime (Ray), one "
+                     "virtual SuperNode per client; loopback: a real Flower deployment on 127.0.0.1 (flower-superlink, "
+                     "one flower-supernode per client, flwr run), stopped at the end. Both need pip install -e "
+                     "'.[flower]'")
+    run.add_argument("--round-timeout", type=float, default=600.0, metavar="S", help="Flower: seconds a round "
+                     "waits for replies; the missing clients are logged and left out (default 600)")
+    run.add_argument("--min-replies", type=int, default=1, metavar="K", help="Flower: a round with fewer usable "
+                     "updates stops the run (default 1)")
     plot = sub.add_parser("plot", help="redraw the figures of a run or experiment folder")
     plot.add_argument("dir", type=Path)
     plot.add_argument("--layer", help="pFedLA: the layer of the N x N weight heatmap (default fc1)")
@@ -42,6 +51,31 @@ def _interrupted(out: Path | None) -> str:
     return "pfedkit: interrupted before anything was written; nothing to resume"
 
 
+def _flower(args, cfg, out: Path, resume: bool) -> None:
+    """The experiment on Flower: its simulation runtime, or a deployment on loopback started for it."""
+    from .flower import require_flower
+    require_flower()
+    if args.runtime == "flower":
+        from .flower.simulation import run_simulation
+        run_simulation(cfg, out, resume=resume, overwrite=args.overwrite, timeout=args.round_timeout,
+                       min_replies=args.min_replies)
+        return
+    from .config import dump_config, load_config
+    from .experiment import check_out
+    from .flower.loopback import run_loopback
+    out = Path(out).resolve()
+    if resume:
+        cfg = load_config(out / "config.yaml")
+    else:
+        check_out(out, args.overwrite)
+        out.parent.mkdir(parents=True, exist_ok=True)
+    # every process of the deployment reads the config from one file
+    config_path = out.parent / f".{out.name}.config.yaml"
+    config_path.write_text(dump_config(cfg))
+    run_loopback(config_path, out, cfg.partition.num_clients, resume=resume, overwrite=args.overwrite,
+                 timeout=args.round_timeout, min_replies=args.min_replies)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = None
@@ -54,13 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                     raise PfedkitError("--resume DIR takes no config, --set, --algorithms, --out or --overwrite: "
                                        "it continues with the folder's own config.yaml")
                 out = args.resume
-                resume_experiment(args.resume)
+                if args.runtime == "inprocess":
+                    resume_experiment(args.resume)
+                else:
+                    _flower(args, None, out, resume=True)
             else:
                 seeds = [f"seeds={args.seeds}"] if args.seeds else []
                 config = args.config or Path(__file__).with_name("default.yaml")  # the embedded default job
                 cfg = load_config(config, args.overrides + seeds, args.algorithms)
                 out = args.out or default_out(cfg)
-                run_experiment(cfg, out, overwrite=args.overwrite)
+                if args.runtime == "inprocess":
+                    run_experiment(cfg, out, overwrite=args.overwrite)
+                else:
+                    _flower(args, cfg, out, resume=False)
         elif args.command == "plot":
             from .report.plots import plot_comparison, plot_run, plot_seed_comparison
             d = args.dir

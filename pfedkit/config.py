@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .registry import ALGORITHMS, NoParams
 
 DATASETS = ("mnist5k", "fmnist", "synthetic", "digits", "mnist", "emnist", "cifar10", "cifar100", "leaf")
 SCHEMES = ("classes", "dominant", "dirichlet", "powerlaw_labels", "chain", "iid", "natural")
@@ -127,7 +128,6 @@ class Config:
     algo: dict[str, Any] = field(default_factory=dict, metadata={"hidden": True})
 
     def algorithms(self) -> list[str]:
-        from .algorithms import ALGORITHMS
         if self.algorithm == "all":
             return list(ALGORITHMS)
         return [a.strip() for a in self.algorithm.split(",") if a.strip()]
@@ -170,7 +170,6 @@ class Config:
 
     def params(self, name: str) -> Any:
         """The hyperparameters of algorithm `name` (an empty NoParams if it has none)."""
-        from .algorithms import NoParams
         return self.algo.get(name, NoParams())
 
 
@@ -192,7 +191,6 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 def algorithm_sections() -> dict[str, type]:
     """The YAML sections of algorithms that have hyperparameters (`fedprox: {mu: 0.01}`)."""
-    from .algorithms import ALGORITHMS
     sections = {name: cls.Params for name, cls in ALGORITHMS.items() if dataclasses.fields(cls.Params)}
     clash = set(sections) & {f.name for f in dataclasses.fields(Config)}
     assert not clash, f"algorithm sections {clash} collide with config keys"
@@ -367,7 +365,6 @@ def from_dict(raw: dict) -> Config:
             raise ConfigError(f"{exc}{''.join(', ' + n for n in sections)}") from None
         raise
     cfg.algo = {name: build(cls, algo_raw.get(name), name + ".") for name, cls in sections.items()}
-    from .algorithms import ALGORITHMS
     names = cfg.algorithms()
     if not names:
         raise ConfigError(f"config key 'algorithm': empty; allowed: all, or a comma list of {', '.join(ALGORITHMS)}")

@@ -61,7 +61,7 @@ def is_run_folder(path: Path) -> bool:
 
 def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: bool = False,
                    data: FederatedData | None = None, log: Callable[[str], None] = print,
-                   stop_after: int | None = None) -> list[dict]:
+                   stop_after: int | None = None, runtime: dict | None = None) -> list[dict]:
     """Train every algorithm of `cfg` into `out/<algorithm>/`, then write comparison.md and comparison.png.
     With `seeds`, once per seed into `out/seed<s>/`, and the comparison gives mean ± std over the seeds.
     Every run is built (data, model, algorithm, sampler: everything that can refuse the config) before anything is
@@ -70,7 +70,7 @@ def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: b
     out = Path(out)
     if not resume:
         check_out(out, overwrite)
-    summaries = _run_seeds(cfg, out, resume, data, log, stop_after)
+    summaries = _run_seeds(cfg, out, resume, data, log, stop_after, runtime)
     folders = [out / f"seed{s}" for s in cfg.seed_list()] or [out]
     failed = [f / name / FAILED_FILE for f in folders for name in cfg.algorithms() if (f / name / FAILED_FILE).is_file()]
     if failed:
@@ -80,10 +80,18 @@ def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: b
     return summaries
 
 
-def build_runs(cfg: Config, data: FederatedData, out: Path) -> list[Run]:
+def build_runs(cfg: Config, data: FederatedData, out: Path, runtime: dict | None = None,
+               log: Callable[[str], None] = print) -> list[Run]:
     """One Run per algorithm spec: each checks its own keys (variants such as `heurpfedla@k=99`, the sampler an
     algorithm can use, the `local.*` keys it reads) without writing anything."""
-    return [Run(cfg.for_algorithm(name), data, out / name) for name in cfg.algorithms()]
+    return [_one_run(cfg.for_algorithm(name), data, out / name, runtime, log) for name in cfg.algorithms()]
+
+
+def _one_run(cfg: Config, data: FederatedData, out: Path, runtime: dict | None, log: Callable[[str], None]) -> Run:
+    if not runtime:
+        return Run(cfg, data, out, log=log)
+    return Run(cfg, data, out, clients=runtime["clients_for"](cfg, data), min_replies=runtime.get("min_replies", 1),
+               log=log)
 
 
 def _start(out: Path, resume: bool) -> None:
@@ -95,15 +103,15 @@ def _start(out: Path, resume: bool) -> None:
 
 
 def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None, log: Callable[[str], None],
-               stop_after: int | None) -> list[dict]:
+               stop_after: int | None, runtime: dict | None = None) -> list[dict]:
     seeds = cfg.seed_list()
     if not seeds:
         data = data or prepare(cfg)
-        runs = build_runs(cfg, data, out)
+        runs = build_runs(cfg, data, out, runtime, log)
         _start(out, resume)
         return _run_algorithms(cfg, out, resume, data, log, stop_after, runs)
     first = prepare(cfg.with_seed(seeds[0]))  # fail on bad input before writing anything
-    runs = build_runs(cfg.with_seed(seeds[0]), first, out / f"seed{seeds[0]}")
+    runs = build_runs(cfg.with_seed(seeds[0]), first, out / f"seed{seeds[0]}", runtime, log)
     for seed in seeds[1:]:  # each seed draws its own partition, which may refuse: check it now, keep only one
         build_runs(cfg.with_seed(seed), prepare(cfg.with_seed(seed)), out / f"seed{seed}")
     _start(out, resume)
@@ -114,7 +122,7 @@ def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None,
         one, seed_dir = cfg.with_seed(seed), out / f"seed{seed}"
         seed_data = first if i == 0 else prepare(one)
         summaries += _run_algorithms(one, seed_dir, resume and seed_dir.is_dir(), seed_data, log, stop_after,
-                                     runs if i == 0 else build_runs(one, seed_data, seed_dir))
+                                     runs if i == 0 else build_runs(one, seed_data, seed_dir, runtime, log))
     seed_dirs = [out / f"seed{s}" for s in seeds]
     table = write_seed_comparison(out, seed_dirs, cfg.algorithms(),
                                   f"# Comparison over seeds {cfg.seeds} on {first.summary()}")
@@ -159,7 +167,7 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
     return summaries
 
 
-def resume_experiment(path: Path, log: Callable[[str], None] = print) -> list[dict]:
+def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: dict | None = None) -> list[dict]:
     """`pfedkit run --resume DIR`: DIR is an experiment folder or one algorithm's run folder."""
     path = Path(path)
     if not (path / "config.yaml").is_file():
@@ -174,7 +182,7 @@ def resume_experiment(path: Path, log: Callable[[str], None] = print) -> list[di
                                f"checkpoint); start it again with `pfedkit run ... --out {path} --overwrite`")
         cfg = load_config(path / "config.yaml")
         data = prepare(cfg)
-        summary = Run(cfg, data, path).run(resume=True)
+        summary = _one_run(cfg, data, path, runtime, log).run(resume=True)
         if cfg.plots:
             plot_run(path)
         parent = path.parent
@@ -186,4 +194,4 @@ def resume_experiment(path: Path, log: Callable[[str], None] = print) -> list[di
                 plot_comparison(parent, dirs)
         return [summary]
     cfg = load_config(path / "config.yaml")
-    return run_experiment(cfg, path, resume=True, log=log)
+    return run_experiment(cfg, path, resume=True, log=log, runtime=runtime)

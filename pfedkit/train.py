@@ -1,11 +1,13 @@
-"""Local training and evaluation primitives on a FlatModel: epochs of mini-batch SGD with optional proximal term,
-layer masks and momentum, and batched evaluation.
+"""Local training and evaluation primitives on a FlatModel, for one client or a cohort of clients over a leading
+client axis: mini-batch SGD with one objective hook (cross-entropy plus optional proximal pull and frozen entries)
+and momentum, per-client batch streams, and batched evaluation.
 
 The hot loop does per step exactly what a bare PyTorch loop does (index the batch, forward, backward, step) with
 the optimizer step and gradient reset each a single vector op on the flat parameter and gradient vectors.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import LocalConfig
-from .data import ClientData
+from .data import ClientData, FederatedData
 from .models import FlatModel
 
 
@@ -43,19 +45,32 @@ def batch_indices(n: int, hp: LocalConfig, gen: torch.Generator, device: torch.d
             yield perm[start: start + b]
 
 
-def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generator, *,
-        prox_anchor: torch.Tensor | None = None, prox_mu: float = 0.0,
-        trainable: torch.Tensor | None = None, lr: float | None = None,
-        plan: LocalConfig | None = None) -> float:
-    """Train the model's current vector in place on the client's train split; returns the mean batch loss.
+@dataclass
+class Objective:
+    """A local objective beyond the mean cross-entropy, for one client (vectors) or a cohort (rows): the proximal
+    pull mu/2 ||theta - anchor||^2 (FedProx), and a 0/1 float `trainable` mask over the parameters whose zero entries
+    stay frozen (a body or head held fixed). The same object serves the one-client and the lockstep path."""
+    prox_anchor: torch.Tensor | None = None  # the anchor vector(s), (D,) or (C, D); only the parameter part is read
+    prox_mu: float = 0.0
+    trainable: torch.Tensor | None = None  # (P,) or (C, P)
 
-    prox_anchor/prox_mu add mu * (theta - anchor) to the gradient (FedProx). `trainable` is a 0/1 float mask
-    over the parameters (frozen entries keep their values). `plan` overrides epochs/steps/batch size only.
-    """
+    def row(self, i: int) -> "Objective":
+        """Client i's part of a cohort's objective."""
+        pick = lambda t: t[i] if t is not None and t.dim() == 2 else t  # noqa: E731
+        return Objective(pick(self.prox_anchor), self.prox_mu, pick(self.trainable))
+
+
+PLAIN = Objective()
+
+
+def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generator,
+        objective: Objective = PLAIN, plan: LocalConfig | None = None) -> float:
+    """Train the model's current vector in place on the client's train split; returns the mean batch loss.
+    `plan` overrides epochs/steps/batch size only."""
     module, params, grad = model.module, model.vector[model.param_slice], model.grad
-    lr = hp.lr if lr is None else lr
     velocity = torch.zeros_like(params) if hp.momentum > 0 else None
-    anchor = prox_anchor[model.param_slice] if prox_anchor is not None else None
+    anchor = objective.prox_anchor[model.param_slice] if objective.prox_anchor is not None else None
+    trainable = objective.trainable
     module.train()
     loss_sum = torch.zeros((), device=params.device)
     steps = 0
@@ -65,18 +80,29 @@ def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generato
         loss.backward()
         if hp.weight_decay > 0:
             grad.add_(params, alpha=hp.weight_decay)
-        if anchor is not None and prox_mu > 0:
-            grad.add_(params - anchor, alpha=prox_mu)
+        if anchor is not None and objective.prox_mu > 0:
+            grad.add_(params - anchor, alpha=objective.prox_mu)
         if trainable is not None:
             grad.mul_(trainable)
         if velocity is not None:
             velocity.mul_(hp.momentum).add_(grad)
-            params.add_(velocity, alpha=-lr)
+            params.add_(velocity, alpha=-hp.lr)
         else:
-            params.add_(grad, alpha=-lr)
+            params.add_(grad, alpha=-hp.lr)
         loss_sum += loss.detach()
         steps += 1
     return float(loss_sum) / max(steps, 1)
+
+
+def model_gradient(model: FlatModel, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Gradient of the mean cross-entropy on one batch at `params` (the parameter part of a vector; the model's
+    buffers stay as they are, and BatchNorm updates them in train mode)."""
+    model.vector[: len(params)].copy_(params)
+    model.grad.zero_()
+    model.module.train()
+    loss = F.cross_entropy(model.module(x), y)
+    loss.backward()
+    return model.grad[: len(params)].clone(), float(loss.detach())
 
 
 @torch.no_grad()
@@ -97,12 +123,14 @@ def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = 409
 
 # ---- many clients in lockstep (batched matrix products) ------------------------------------------------------------
 
-def batch_plan(sizes: list[int], offsets: list[int], hp: LocalConfig, gens: list[torch.Generator],
+def batch_plan(sizes: list[int], offsets: list[int], hp: LocalConfig | list[LocalConfig], gens: list[torch.Generator],
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-client batch streams of `batch_indices`, stacked for lockstep training: global sample indices
-    (steps, clients, batch) and a 0/1 mask of the real entries (padding for short batches and finished clients)."""
-    streams = [list(batch_indices(n, hp, g, torch.device("cpu"))) for n, g in zip(sizes, gens)]
-    steps, b = max(len(s) for s in streams), hp.batch_size
+    """The per-client batch streams of `batch_indices` (one plan for all, or one per client), stacked for lockstep
+    training: global sample indices (steps, clients, batch) and a 0/1 mask of the real entries (padding for short
+    batches and finished clients)."""
+    hps = hp if isinstance(hp, list) else [hp] * len(sizes)
+    streams = [list(batch_indices(n, h, g, torch.device("cpu"))) for n, h, g in zip(sizes, hps, gens)]
+    steps, b = max((len(s) for s in streams), default=0), max(h.batch_size for h in hps)
     idx = torch.zeros(steps, len(sizes), b, dtype=torch.long)
     mask = torch.zeros(steps, len(sizes), b)
     for c, (stream, offset) in enumerate(zip(streams, offsets)):
@@ -139,8 +167,8 @@ class BatchedLoss:
 
 
 def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_all: torch.Tensor,
-                idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig, *, prox_anchor: torch.Tensor | None = None,
-                prox_mu: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig,
+                objective: Objective = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """`sgd` for many clients at once (same steps, same batches); a client whose stream has ended stays put.
     Returns (trained params (C, P), mean batch loss per client)."""
     params = params.clone()
@@ -151,8 +179,10 @@ def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_
         grads, losses = loss(params, x_all[idx[t]], y_all[idx[t]], mask[t])
         if hp.weight_decay > 0:
             grads = grads + hp.weight_decay * params
-        if prox_anchor is not None and prox_mu > 0:
-            grads = grads + prox_mu * (params - prox_anchor)
+        if objective.prox_anchor is not None and objective.prox_mu > 0:
+            grads = grads + objective.prox_mu * (params - objective.prox_anchor[..., : params.shape[-1]])
+        if objective.trainable is not None:
+            grads = grads * objective.trainable
         active = (mask[t].sum(1) > 0).to(params.dtype)[:, None]
         if velocity is not None:
             velocity = torch.where(active > 0, hp.momentum * velocity + grads, velocity)
@@ -161,3 +191,119 @@ def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_
         loss_sum += active[:, 0] * losses
         steps += active[:, 0]
     return params, loss_sum / steps.clamp_min(1.0)
+
+
+# ---- a cohort: the clients one runtime trains at once ---------------------------------------------------------------
+
+LOCKSTEP_MIN_CLIENTS = 3  # below this the one-client-after-another path is as fast as lockstep (measured, MLR/DNN)
+
+
+class Cohort:
+    """The clients a runtime trains at once, over a leading client axis: all of a round's clients in the simulator,
+    one client in a Flower ClientApp. Algorithms write their client math once against it; the cohort decides how
+    the steps run: in lockstep (batched products, one autograd pass for all clients) where that pays, otherwise
+    one client after another with the shared model object. Each client keeps its own seeded batch stream, so both
+    ways see the same batches and give the same results (to float rounding of the batched products)."""
+
+    def __init__(self, cids: list[int], rnd: int, data: FederatedData, model: FlatModel, hp: LocalConfig,
+                 gens: list[torch.Generator], lockstep: bool | None = None):
+        self.cids, self.round, self.data, self.model, self.hp, self.gens = cids, rnd, data, model, hp, gens
+        self.force = lockstep  # None: decide by the measured heuristics below; True/False: always/never (tests)
+
+    def __len__(self) -> int:
+        return len(self.cids)
+
+    @property
+    def num_samples(self) -> list[int]:
+        return [int(self.data.train_sizes[c]) for c in self.cids]
+
+    def client(self, i: int) -> ClientData:
+        return self.data.client(self.cids[i])
+
+    @property
+    def batchable(self) -> bool:
+        """Lockstep training for small dense models (MLR, DNN: those with `forward_many`): there one client's step
+        is too small to keep the cores busy, and batched products make it one step for all. Not for BatchNorm
+        (running statistics are state) nor for convolutional models, which fill the cores on their own; not for
+        fewer than LOCKSTEP_MIN_CLIENTS clients, where the one-by-one path is as fast (measured)."""
+        able = hasattr(self.model.module, "forward_many") and self.model.size == self.model.param_size
+        return able and (self.force if self.force is not None else len(self.cids) >= LOCKSTEP_MIN_CLIENTS)
+
+    def lockstep_pays(self, hp: LocalConfig | list[LocalConfig] | None = None) -> bool:
+        """Lockstep runs as many steps as the longest stream: worth it while most clients are busy in most steps
+        (not for epochs over heavy-tailed client sizes, where one big client would keep the others waiting)."""
+        if self.force is not None:
+            return self.force
+        hps = hp if isinstance(hp, list) else [hp or self.hp] * len(self.cids)
+        sizes = self.data.train_sizes[self.cids]
+        steps = np.array([h.steps if h.steps > 0 else h.epochs * -(-int(n) // h.batch_size) for h, n in zip(hps, sizes)])
+        return steps.sum() >= 0.5 * len(steps) * steps.max()
+
+    @property
+    def loss(self) -> BatchedLoss:
+        if getattr(self.model, "batched_loss", None) is None:  # one per model
+            self.model.batched_loss = BatchedLoss(self.model)
+        return self.model.batched_loss
+
+    def plan(self, hp: LocalConfig | list[LocalConfig] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.data
+        return batch_plan([int(d.train_sizes[c]) for c in self.cids], [int(d.train_offsets[c]) for c in self.cids],
+                          hp or self.hp, self.gens, d.device)
+
+    def train(self, starts: torch.Tensor, objective: Objective = PLAIN,
+              hp: LocalConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local SGD of every client from its row of `starts` (C, D): (trained (C, D), mean batch loss per client)."""
+        hp = hp or self.hp
+        if self.batchable and self.lockstep_pays(hp):
+            idx, mask = self.plan(hp)
+            return batched_sgd(self.loss, starts, self.data.x_train, self.data.y_train, idx, mask, hp, objective)
+        trained, losses = torch.empty_like(starts), torch.empty(len(starts), dtype=torch.float64)
+        for i in range(len(self.cids)):
+            self.model.load(starts[i])
+            losses[i] = sgd(self.model, self.client(i), hp, self.gens[i], objective.row(i))
+            trained[i] = self.model.vector
+        return trained, losses
+
+    def stream(self, hp: LocalConfig | list[LocalConfig], buffers: torch.Tensor | None = None) -> "GradientStream":
+        """The clients' batch streams for a solver of its own (pFedMe, Per-FedAvg): gradients at given parameters,
+        step by step; `buffers` (C, D - P) are the clients' BatchNorm statistics, updated as in training."""
+        hps = hp if isinstance(hp, list) else [hp] * len(self.cids)
+        lockstep = self.batchable and self.lockstep_pays(hps)
+        return GradientStream(self, self.plan(hps), lockstep, buffers)
+
+
+class GradientStream:
+    """Mini-batch gradients of a cohort's clients along their own batch streams: `gradient(params (C, P), t)` gives
+    every client's gradient and loss on its t-th batch (zero for a client whose stream has ended)."""
+
+    def __init__(self, cohort: Cohort, plan: tuple[torch.Tensor, torch.Tensor], lockstep: bool,
+                 buffers: torch.Tensor | None):
+        self.cohort, (self.idx, self.mask), self.lockstep = cohort, plan, lockstep
+        self.buffers = buffers.clone() if buffers is not None else None
+
+    @property
+    def steps(self) -> int:
+        return self.idx.shape[0]
+
+    def active(self, t: int) -> torch.Tensor:
+        """Which clients still have a t-th batch: (C,) bool."""
+        return self.mask[t].sum(1) > 0
+
+    def gradient(self, params: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c, data = self.cohort, self.cohort.data
+        idx, mask = self.idx[t], self.mask[t]
+        if self.lockstep:
+            grads, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask)
+            return grads, losses.double()
+        model, P = c.model, params.shape[1]
+        grads, losses = torch.zeros_like(params), torch.zeros(len(params), dtype=torch.float64)
+        for i in range(len(params)):
+            real = idx[i][mask[i] > 0]
+            if len(real) == 0:
+                continue
+            if self.buffers is not None:
+                model.vector[P:].copy_(self.buffers[i])
+            grads[i], losses[i] = model_gradient(model, params[i], data.x_train[real], data.y_train[real])
+            if self.buffers is not None:
+                self.buffers[i] = model.vector[P:]
+        return grads, losses

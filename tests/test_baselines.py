@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pfedkit.algorithms import ALGORITHMS, Algorithm, Cohort
+from pfedkit.algorithms import build_algorithm
+from pfedkit.train import Cohort
 from pfedkit.config import load_config
 from pfedkit.engine import Run
 from pfedkit.experiment import prepare
@@ -21,12 +22,23 @@ def setup(name: str, *extra: str):
     cfg = load_config(None, SYNTH + list(extra), name).for_algorithm(name)
     data = prepare(cfg)
     model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
-    algo = ALGORITHMS[cfg.algorithm_name](cfg.params(cfg.algorithm_name), model, data.num_clients, cfg)
-    return cfg, data, model, algo
+    return cfg, data, model, build_algorithm(cfg, model, data.num_clients)
 
 
-def cohort_of(cfg, data, model, cids, rnd=1):
-    return Cohort(cids, rnd, data, model, cfg.local, [seeded_generator(cfg.seed, rnd, c) for c in cids])
+def cohort_of(cfg, data, model, cids, rnd=1, lockstep=None):
+    return Cohort(cids, rnd, data, model, cfg.local, [seeded_generator(cfg.seed, rnd, c) for c in cids], lockstep)
+
+
+def assert_same_messages(got, want, exact):
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in g:
+            if exact:
+                assert torch.equal(g[k], w[k]) if isinstance(g[k], torch.Tensor) else g[k] == w[k], k
+            elif isinstance(g[k], torch.Tensor):
+                assert torch.allclose(g[k], w[k], atol=2e-5, rtol=1e-4), k
+            else:
+                assert g[k] == pytest.approx(w[k], rel=1e-4), k
 
 
 @pytest.mark.parametrize("name, extra", [
@@ -36,22 +48,24 @@ def cohort_of(cfg, data, model, cids, rnd=1):
     ("fedavg", ["local.steps=0", "local.epochs=1", "local.momentum=0.9", "local.weight_decay=0.01"]),
 ])
 def test_lockstep_training_equals_the_per_client_path(name, extra):
+    """One client path per algorithm, three ways to run it: the cohort in lockstep (batched products, the
+    simulator's way for dense models), the cohort one client after another, and each client alone in a cohort of
+    one (a Flower ClientApp). One after another and alone are the same arithmetic: bit-identical; lockstep
+    reorders the products: equal to float tolerance."""
     cfg, data, model, algo = setup(name, *extra)
     init = model.state()
     state = algo.init_server(init)
     cids = [0, 2, 3, 5, 7]
     cstates = [algo.init_client(c, init + 0.01 * c) for c in cids]
-    payloads = algo.payloads(state, cids, 1)
-    together, states_t = algo.client_update_many([payloads[c] for c in cids], cstates, cohort_of(cfg, data, model, cids))
-    alone, states_a = Algorithm.client_update_many(algo, [payloads[c] for c in cids], cstates,
-                                                   cohort_of(cfg, data, model, cids))
-    for t, a in zip(together + states_t, alone + states_a):
-        assert t.keys() == a.keys()
-        for k in t:
-            if isinstance(t[k], torch.Tensor):
-                assert torch.allclose(t[k], a[k], atol=2e-5, rtol=1e-4), k
-            elif isinstance(t[k], float):
-                assert t[k] == pytest.approx(a[k], rel=1e-4), k
+    payloads = [algo.payloads(state, cids, 1)[c] for c in cids]
+    lockstep = algo.client_update(payloads, cstates, cohort_of(cfg, data, model, cids, lockstep=True))
+    in_turn = algo.client_update(payloads, cstates, cohort_of(cfg, data, model, cids, lockstep=False))
+    alone = [algo.client_update([p], [s], cohort_of(cfg, data, model, [c])) for c, p, s in zip(cids, payloads, cstates)]
+    alone_updates, alone_states = [u for (u,), _ in alone], [s for _, (s,) in alone]
+    assert_same_messages(in_turn[0] + in_turn[1], alone_updates + alone_states, exact=True)
+    assert_same_messages(lockstep[0] + lockstep[1], in_turn[0] + in_turn[1], exact=False)
+    moved = [u["weights"] for u in in_turn[0]] if "weights" in in_turn[0][0] else [s["weights"] for s in in_turn[1]]
+    assert all(not torch.equal(m, init) for m in moved)  # training did something to compare
 
 
 def test_fedprox_proximal_term_keeps_the_model_closer_to_the_global_one():
@@ -61,8 +75,7 @@ def test_fedprox_proximal_term_keeps_the_model_closer_to_the_global_one():
     cids = [1, 4]
     moved = {}
     for algo in (fedavg, fedprox):
-        out, _ = Algorithm.client_update_many(algo, [{"weights": init}] * 2, [{}] * 2,
-                                              cohort_of(cfg, data, model, cids))
+        out, _ = algo.client_update([{"weights": init}] * 2, [{}] * 2, cohort_of(cfg, data, model, cids))
         moved[algo.name] = [float((u["weights"] - init).norm()) for u in out]
     assert all(p < a for p, a in zip(moved["fedprox"], moved["fedavg"]))
 
@@ -110,7 +123,7 @@ def test_perfedavg_first_order_step_by_hand():
     cfg, data, model, algo = setup("perfedavg", "perfedavg.beta=0.1", "local.steps=1")
     init = model.state()
     cohort = cohort_of(cfg, data, model, [3])
-    update, _ = algo.client_update({"weights": init}, {}, cohort.client(0))
+    (update,), _ = algo.client_update([{"weights": init}], [{}], cohort)
     # by hand: theta' = theta - alpha grad f(theta; D1), theta <- theta - beta grad f(theta'; D2)
     net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
     client = data.client(3)
@@ -164,7 +177,7 @@ def test_perfedavg_hessian_free_steps_by_hand():
                                    f"local.lr={alpha}", "local.steps=2")
     cid, rnd = 6, 1
     init = model.state()
-    update, _ = algo.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [cid], rnd).client(0))
+    (update,), _ = algo.client_update([{"weights": init}], [{}], cohort_of(cfg, data, model, [cid], rnd))
 
     f = plain_loss(cfg, data)
     client = data.client(cid)
@@ -201,7 +214,7 @@ def test_perfedavg_epochs_give_ceil_of_the_epochs_batches_over_batches_per_step(
     assert client.num_train == 48 and cfg.local.batch_size == 20
     steps = -(-3 // k)
     init = model.state()
-    update, _ = algo.client_update({"weights": init}, {}, cohort_of(cfg, data, model, [cid]).client(0))
+    (update,), _ = algo.client_update([{"weights": init}], [{}], cohort_of(cfg, data, model, [cid]))
 
     f = plain_loss(cfg, data)
     batches = reference_stream(48, 20, steps * k, seeded_generator(cfg.seed, 1, cid))
@@ -231,7 +244,7 @@ def test_pfedme_local_update_is_the_official_solver(cids, R, K):
     cfg, data, model, algo = setup("pfedme", f"pfedme.eta={eta}", f"pfedme.personal_lr={plr}", f"pfedme.lamda={lam}",
                                    f"pfedme.mu={mu}", f"pfedme.local_rounds={R}", f"pfedme.inner_steps={K}")
     init = model.state()
-    updates, states = algo.client_update_many([{"weights": init}] * len(cids),
+    updates, states = algo.client_update([{"weights": init}] * len(cids),
                                               [algo.init_client(c, init) for c in cids],
                                               cohort_of(cfg, data, model, cids))
     f = plain_loss(cfg, data)
@@ -259,7 +272,7 @@ def test_fedprox_local_update_is_sgd_with_the_proximal_term(cids):
     mu, lr, steps = 1.0, 0.05, 6
     cfg, data, model, algo = setup("fedprox", f"fedprox.mu={mu}", f"local.lr={lr}", f"local.steps={steps}")
     w = model.state()
-    updates, _ = algo.client_update_many([{"weights": w}] * len(cids), [{} for _ in cids],
+    updates, _ = algo.client_update([{"weights": w}] * len(cids), [{} for _ in cids],
                                          cohort_of(cfg, data, model, cids))
     f = plain_loss(cfg, data)
     for cid, update in zip(cids, updates):
@@ -275,19 +288,20 @@ def test_fedprox_local_update_is_sgd_with_the_proximal_term(cids):
 
 
 def test_perfedavg_evaluation_adapts_on_train_data_only(tmp_path):
+    from pfedkit.engine.clients import eval_vectors
     cfg = load_config(None, SYNTH + ["rounds=1"], "perfedavg")
     data = prepare(cfg)
     run = Run(cfg.for_algorithm("perfedavg"), data, tmp_path)
     seen = []
-    original = run.algo.adapt_many
+    original = run.algo.evaluated_models
 
-    def spy(vectors, cohort):
+    def spy(payloads, cstates, cohort):
         seen.append((cohort.data.x_test.numel(), len(cohort.cids), cohort.data.train_sizes[cohort.cids].min()))
         for i in range(len(cohort.cids)):
-            assert cohort.client(i).data.x_test.numel() == 0 and cohort.client(i).data.num_train > 0
-        return original(vectors, cohort)
+            assert cohort.client(i).x_test.numel() == 0 and cohort.client(i).num_train > 0
+        return original(payloads, cstates, cohort)
 
-    run.algo.adapt_many = spy
+    run.algo.evaluated_models = spy
     run.run()
     assert seen and all(test == 0 and train > 0 for test, _, train in seen)  # the test split is out of reach
     assert sum(n for _, n, _ in seen) == 8  # every client adapts before it is evaluated
@@ -295,35 +309,34 @@ def test_perfedavg_evaluation_adapts_on_train_data_only(tmp_path):
     row = run.metrics[-1]
     assert row["personalized_acc"] != row["global_acc"]
     # and replacing every test sample leaves the adaptation unchanged
-    before = original([run.state["weights"]] * 3, run._adapt_cohort(1, [2, 4, 6]))
+    w = run.state["weights"]
+
+    def adapted(d):
+        return eval_vectors(run.algo, d.train_only(), run.model, cfg.local, cfg.seed, 1, [2, 4, 6],
+                            [{"weights": w}] * 3, [{}] * 3)
+    before = adapted(data)
     data.x_test.normal_()
-    after = original([run.state["weights"]] * 3, Run(cfg.for_algorithm("perfedavg"), data, tmp_path / "b")
-                     ._adapt_cohort(1, [2, 4, 6]))
+    after = adapted(data)
     assert all(torch.equal(b, a) for b, a in zip(before, after))
+    assert not any(torch.equal(b, w) for b in before)
 
 
 @pytest.mark.parametrize("extra", [["perfedavg.adapt_steps=3"], ["local.steps=0", "local.epochs=1"]])
 def test_lockstep_adaptation_equals_one_client_at_a_time(tmp_path, monkeypatch, extra):
     """Dense models let Per-FedAvg adapt a chunk of clients in lockstep before evaluation: the same metrics as
     adapting each client's model in turn."""
-    from pfedkit.engine import evaluate
     from pfedkit.models import nets
     cfg = load_config(None, SYNTH + ["rounds=2", "eval_train=true", *extra], "perfedavg")
     data = prepare(cfg)
     run = Run(cfg.for_algorithm("perfedavg"), data, tmp_path)
     run.run()
-
-    def score():
-        return evaluate(run.algo, run.state, run.cstates, data, run.model, train_loss=True,
-                        adapt_cohort=lambda cids: run._adapt_cohort(2, cids))
-
-    lockstep = score()
+    lockstep = run._scores(2, True)
     monkeypatch.delattr(nets.DNN, "forward_many")  # no batched path: one client at a time
-    one_by_one = score()
-    assert lockstep["per_client"] == pytest.approx(one_by_one["per_client"], abs=1e-12)
-    for key, value in lockstep["row"].items():
-        assert value == pytest.approx(one_by_one["row"][key], rel=1e-5, abs=1e-7), key
-    assert lockstep["row"]["personalized_acc"] != lockstep["row"]["global_acc"]  # adaptation did something
+    one_by_one = run._scores(2, True)
+    assert lockstep[1] == pytest.approx(one_by_one[1], abs=1e-12)
+    for key, value in lockstep[0].items():
+        assert value == pytest.approx(one_by_one[0][key], rel=1e-5, abs=1e-7), key
+    assert lockstep[0]["personalized_acc"] != lockstep[0]["global_acc"]  # adaptation did something
 
 
 def test_every_comparison_table_has_the_majority_label_row(tmp_path):
@@ -342,7 +355,7 @@ def image_setup(name: str, *extra: str):
     cfg = load_config(None, IMAGES + list(extra), name).for_algorithm(name)
     data = prepare(cfg)
     model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
-    return cfg, data, model, ALGORITHMS[name](cfg.params(name), model, data.num_clients, cfg)
+    return cfg, data, model, build_algorithm(cfg, model, data.num_clients)
 
 
 @pytest.mark.parametrize("gradient", ["personal", "local"])
@@ -355,7 +368,7 @@ def test_pfedcs_representative_gradient_is_the_personal_models_move(gradient):
     w = model.state()
     P = model.param_size
     assert P < model.size  # the vector also holds BN statistics
-    (update,), (cstate,) = algo.client_update_many([{"weights": w}], [algo.init_client(0, w)],
+    (update,), (cstate,) = algo.client_update([{"weights": w}], [algo.init_client(0, w)],
                                                    cohort_of(cfg, data, model, [0]))
     if gradient == "personal":
         assert update["gradient"].shape == (P,)
@@ -377,7 +390,7 @@ def test_local_on_a_batchnorm_cnn_is_plain_sgd_on_the_clients_own_model():
     cfg, data, model, algo = image_setup("local", "local.steps=2", "local.lr=0.1")
     init = model.state()
     states = [algo.init_client(c, init) for c in (0, 1)]
-    updates, new_states = algo.client_update_many([{}, {}], states, cohort_of(cfg, data, model, [0, 1]))
+    updates, new_states = algo.client_update([{}, {}], states, cohort_of(cfg, data, model, [0, 1]))
     net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     client = data.client(1)
@@ -404,7 +417,7 @@ def test_perfedavg_adaptation_is_adapt_steps_of_sgd_on_the_train_stream(cids):
     w = model.state()
     train_only = data.train_only()
     cohort = Cohort(cids, rnd, train_only, model, cfg.local, [seeded_generator(cfg.seed, rnd, c, 0xE7A1) for c in cids])
-    adapted = algo.adapt_many([w] * len(cids), cohort)
+    adapted = algo.evaluated_models([{"weights": w}] * len(cids), [{}] * len(cids), cohort)
     f = plain_loss(cfg, data)
     for cid, got in zip(cids, adapted):
         client = data.client(cid)
@@ -432,7 +445,7 @@ def test_pfedcs_personal_gradient_in_lockstep():
                                    "pfedcs.inner_steps=2")
     w = model.state()
     cids = [0, 2, 4, 5]
-    updates, states = algo.client_update_many([{"weights": w}] * 4, [algo.init_client(c, w) for c in cids],
+    updates, states = algo.client_update([{"weights": w}] * 4, [algo.init_client(c, w) for c in cids],
                                               cohort_of(cfg, data, model, cids))
     for update, cstate in zip(updates, states):
         assert torch.allclose(update["gradient"], cstate["personal"] - w)

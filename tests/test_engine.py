@@ -97,13 +97,13 @@ def test_every_algorithm_sees_the_same_clients_each_round(tmp_path):
     for name in ("fedavg", "pfedla"):
         run = Run(cfg.for_algorithm(name), data, tmp_path / name)
         trained: dict[int, list[int]] = {}
-        original = run.algo.client_update_many
+        original = run.algo.client_update
 
         def record(payloads, cstates, cohort, original=original, trained=trained):
             trained.setdefault(cohort.round, []).extend(cohort.cids)
             return original(payloads, cstates, cohort)
 
-        run.algo.client_update_many = record
+        run.algo.client_update = record
         run.run()
         assert trained == expected, name
         assert all(r["clients"] == m and r["aggregated"] == m for r in run.metrics)

@@ -12,7 +12,7 @@ from pfedkit.config import LocalConfig
 from pfedkit.data import ClientData
 from pfedkit.models import FlatModel
 from pfedkit.models.nets import DNN, MLR
-from pfedkit.train import BatchedLoss, batch_indices, batch_plan, batched_sgd, predict, seeded_generator, sgd
+from pfedkit.train import BatchedLoss, Objective, batch_indices, batch_plan, batched_sgd, predict, seeded_generator, sgd
 
 
 def toy_client(n: int, seed: int, d: int = 5, classes: int = 3) -> ClientData:
@@ -96,7 +96,7 @@ def test_sgd_equals_torch_optim_sgd(momentum, weight_decay, mu):
     model = FlatModel(DNN((5,), 3, hidden=4))
     start = model.state()
     anchor = start + 0.3  # a proximal anchor away from the start, so the term acts from the first step
-    loss = sgd(model, client, hp, same_generator(3), prox_anchor=anchor if mu else None, prox_mu=mu)
+    loss = sgd(model, client, hp, same_generator(3), Objective(prox_anchor=anchor if mu else None, prox_mu=mu))
 
     torch.manual_seed(0)
     net = DNN((5,), 3, hidden=4)
@@ -110,15 +110,15 @@ def test_sgd_equals_torch_optim_sgd(momentum, weight_decay, mu):
     assert loss == pytest.approx(sum(losses) / len(losses), rel=1e-6)
 
 
-def test_sgd_trainable_mask_freezes_entries_and_lr_overrides():
+def test_sgd_trainable_mask_freezes_entries():
     client = toy_client(12, seed=1)
-    hp = LocalConfig(epochs=1, steps=0, batch_size=4, lr=0.5)
+    hp = LocalConfig(epochs=1, steps=0, batch_size=4, lr=0.05)
     torch.manual_seed(1)
     model = FlatModel(MLR((5,), 3))
     start = model.state()
     mask = torch.zeros(model.param_size)
     mask[:15] = 1.0  # the weight matrix trains, the bias stays
-    sgd(model, client, hp, same_generator(4), trainable=mask, lr=0.05)
+    sgd(model, client, hp, same_generator(4), Objective(trainable=mask))
 
     torch.manual_seed(1)
     net = MLR((5,), 3)
@@ -131,6 +131,12 @@ def test_sgd_trainable_mask_freezes_entries_and_lr_overrides():
         opt.step()
     assert torch.equal(model.state()[15:], start[15:])
     assert torch.allclose(model.state()[:15], net.fc.weight.detach().flatten(), atol=1e-6)
+    # the lockstep path takes the same objective: the same frozen entries, the same result
+    idx, bmask = batch_plan([12], [0], hp, [same_generator(4)], torch.device("cpu"))
+    trained, _ = batched_sgd(BatchedLoss(FlatModel(MLR((5,), 3))), start[None], client.x_train, client.y_train, idx,
+                             bmask, hp, Objective(trainable=mask))
+    assert torch.equal(trained[0, 15:], start[15:])
+    assert torch.allclose(trained[0, :15], net.fc.weight.detach().flatten(), atol=1e-6)
 
 
 @pytest.mark.parametrize("momentum, weight_decay, mu", [(0.0, 0.0, 0.0), (0.9, 0.01, 0.5)])
@@ -150,7 +156,7 @@ def test_batched_sgd_equals_one_plain_loop_per_client(momentum, weight_decay, mu
     starts = model.state() + 0.1 * torch.randn(3, model.size, generator=same_generator(9))
     anchor = starts - 0.2
     trained, losses = batched_sgd(BatchedLoss(model), starts, x_all, y_all, idx, mask, hp,
-                                  prox_anchor=anchor if mu else None, prox_mu=mu)
+                                  Objective(prox_anchor=anchor if mu else None, prox_mu=mu))
     for i, (client, n) in enumerate(zip(clients, sizes)):
         net = DNN((5,), 3, hidden=4)
         torch.nn.utils.vector_to_parameters(starts[i].clone(), net.parameters())
@@ -186,7 +192,7 @@ def test_one_step_reports_its_loss_and_an_anchor_without_mu_adds_nothing():
     start = model.state()
     with torch.no_grad():
         want_loss = float(F.cross_entropy(model.module(client.x_train), client.y_train))
-    loss = sgd(model, client, hp, same_generator(0), prox_anchor=start + 1.0)
+    loss = sgd(model, client, hp, same_generator(0), Objective(prox_anchor=start + 1.0))
     net = MLR((5,), 3)
     torch.nn.utils.vector_to_parameters(start.clone(), net.parameters())
     want, _ = plain_sgd_loop(net, client, [torch.randperm(6, generator=same_generator(0))], 0.3)
@@ -195,14 +201,14 @@ def test_one_step_reports_its_loss_and_an_anchor_without_mu_adds_nothing():
 
     idx, mask = batch_plan([6], [0], hp, [same_generator(0)], torch.device("cpu"))
     trained, losses = batched_sgd(BatchedLoss(FlatModel(MLR((5,), 3))), start[None], client.x_train, client.y_train,
-                                  idx, mask, hp, prox_anchor=start[None] + 1.0)
+                                  idx, mask, hp, Objective(prox_anchor=start[None] + 1.0))
     assert float(losses[0]) == pytest.approx(want_loss, rel=1e-6)
     assert torch.allclose(trained[0], want, atol=1e-6)
 
 
 def test_lockstep_pays_while_most_clients_are_busy_in_most_steps():
     """Lockstep runs as many steps as the longest stream; it is chosen while sum(steps) >= C * max(steps) / 2."""
-    from pfedkit.algorithms import Cohort
+    from pfedkit.train import Cohort
     from pfedkit.data import FederatedData
     from pfedkit.data.partition import Partition
     from pfedkit.data.sources import Source

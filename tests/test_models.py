@@ -57,7 +57,7 @@ def test_cnn_on_8x8_digits_is_a_clear_config_error():
 @pytest.mark.parametrize("name, shape", [("mlr", (60,)), ("dnn", (1, 8, 8))])
 def test_batched_loss_gives_every_client_its_own_gradient_and_loss(name, shape):
     """The lockstep path's gradients (batched products, one autograd pass) equal one backward per client."""
-    from pfedkit.algorithms.base import model_gradient
+    from pfedkit.train import model_gradient
     from pfedkit.train import BatchedLoss
     fm = FlatModel(build_model(ModelConfig(name, hidden=16), shape, 10, 0))
     gen = torch.Generator().manual_seed(0)

@@ -20,7 +20,7 @@ def make_algo(cls=PFedLA, model="cnn_bn", shape=(1, 28, 28), **params):
     cfg = load_config(None, [f"model.name={model}"] + [f"{cls.name}.{k}={v}" for k, v in params.items()])
     net = build_model(cfg.model, shape, 10, 0).double()
     fm = FlatModel(net)
-    algo = cls(cfg.params(cls.name), fm, N, cfg)
+    algo = cls(cfg.params(cls.name), fm, N, cfg.seed)
     gen = torch.Generator().manual_seed(1)
     state = algo.init_server(fm.state())
     state["theta"] += 0.1 * torch.randn(state["theta"].shape, generator=gen, dtype=torch.float64)  # clients differ
@@ -102,7 +102,7 @@ def test_batched_server_equals_a_plain_per_client_loop(cls, k):
     algo, state, fm = make_algo(cls, k=k)
     cids = [1, 3, 4]
     payloads = algo.payloads(state, cids, 1)
-    personalized = algo.personalized_many(state, [{}] * N, list(range(N)))
+    personalized = list(algo.personalized(state, list(range(N))))
     gen = torch.Generator().manual_seed(2)
     trained = state["theta"][cids] + 0.01 * torch.randn(len(cids), fm.size, generator=gen, dtype=torch.float64)
     grads = algo.hn_gradients(state, cids, trained)
@@ -140,7 +140,7 @@ def test_rows_of_alpha_sum_to_one_and_a_zero_row_falls_back_to_self():
 def test_initial_weights_are_near_uniform():
     cfg = load_config(None, ["model.name=cnn"])
     fm = FlatModel(build_model(cfg.model, (1, 28, 28), 10, 0))
-    algo = PFedLA(cfg.params("pfedla"), fm, 20, cfg)
+    algo = PFedLA(cfg.params("pfedla"), fm, 20, cfg.seed)
     _, alpha, _ = algo._weights_of(algo.init_server(fm.state()), list(range(20)))
     assert (alpha - 1 / 20).abs().max() < 0.5 / 20  # U(0,1) heads on a positive feature: close to 1/N
 
@@ -158,7 +158,7 @@ def test_retained_layers_are_the_clients_own_and_downlink_shrinks_by_their_size(
         assert tensor_bytes(full[cid]) - tensor_bytes(heur[cid]) == kept_bytes
         # the client fills kept layers from its own copy, which is what the server holds for it
         own = state["theta"][cid]
-        personalized = algo2.personalized(state, {}, cid)
+        personalized = algo2.personalized(state, [cid])[0]
         for l in kept:
             s = algo2.groups[l][1]
             assert torch.equal(personalized[s], own[s])
@@ -168,7 +168,7 @@ def test_bn_running_statistics_stay_local():
     algo, state, fm = make_algo()
     payload = algo.payloads(state, [3], 1)[3]
     assert sum(v.numel() for v in payload.values()) == fm.param_size  # parameters only, no BN statistics
-    vectors = algo.personalized_many(state, [{}] * N, list(range(N)))
+    vectors = list(algo.personalized(state, list(range(N))))
     buffers = fm.buffer_slice
     for cid in range(N):
         assert torch.equal(vectors[cid][buffers], state["theta"][cid, buffers])
@@ -203,7 +203,7 @@ def toy(delta_sign="old_minus_new", hn_lr=0.05):
 def toy_round(algo, state, opt):
     """Every client: theta_bar from the server, 5 gradient steps of lr 0.1, back to the server."""
     cids = list(range(N))
-    theta_bar = torch.stack(algo.personalized_many(state, [{}] * N, cids))
+    theta_bar = torch.stack(list(algo.personalized(state, cids)))
     trained = theta_bar.clone()
     for _ in range(5):
         trained -= 0.1 * (trained - opt)
@@ -224,7 +224,7 @@ def test_one_hypernetwork_step_lowers_each_clients_loss():
     algo, state, opt, _ = toy(hn_lr=0.01)
     before, state = toy_round(algo, state, opt)
     # the personalized model each client gets next (new weights over the updated Theta) beats the one it trained
-    after = torch.stack(algo.personalized_many(state, [{}] * N, list(range(N))))
+    after = torch.stack(list(algo.personalized(state, list(range(N)))))
     assert (losses(after, opt) < losses(before, opt)).all()
     # and the hypernetwork step itself helps: the new weights over the same Theta beat the old weights
     algo_again, state_again, opt_again, _ = toy(hn_lr=0.01)
@@ -266,14 +266,14 @@ def test_sequential_round_serves_each_client_the_state_left_by_the_previous_one(
     algo = run.algo
     start = algo.init_server(run.model.state())  # the server state before round 1
     served = []
-    original = algo.client_update_many
+    original = algo.client_update
 
     def record(payloads, cstates, cohort):
         updates, states = original(payloads, cstates, cohort)
         served.extend(zip(cohort.cids, payloads, updates))
         return updates, states
 
-    algo.client_update_many = record
+    algo.client_update = record
     run.run()
     assert len(served) == 3 and len({c for c, _, _ in served}) == 3
 
@@ -348,7 +348,7 @@ def test_hypernetworks_start_as_specified():
     weights and biases; heads U(0, 1) with zero bias; stored in the model's dtype."""
     cfg = load_config(None, ["model.name=mlr"])
     fm = FlatModel(build_model(cfg.model, (1, 2, 2), 10, 0).double())
-    algo = PFedLA(cfg.params("pfedla"), fm, 20, cfg)
+    algo = PFedLA(cfg.params("pfedla"), fm, 20, cfg.seed)
     hn = algo.init_server(fm.state())["hn"]
     assert all(v.dtype == torch.float64 for v in hn.values())
     assert hn["emb"].shape == (20, 100) and abs(float(hn["emb"].std()) - 1) < 0.05 and abs(float(hn["emb"].mean())) < 0.05
@@ -427,7 +427,7 @@ def test_client_trains_its_payload_with_kept_layers_from_its_own_copy():
                              "heurpfedla.k=1"], "heurpfedla")
     data = prepare(cfg)
     fm = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
-    algo = HeurPFedLA(cfg.params("heurpfedla"), fm, N, cfg)
+    algo = HeurPFedLA(cfg.params("heurpfedla"), fm, N, cfg.seed)
     state = algo.init_server(fm.state())
     state["theta"] += 0.05 * torch.randn(state["theta"].shape, generator=torch.Generator().manual_seed(0))
     cid = 2
@@ -435,9 +435,9 @@ def test_client_trains_its_payload_with_kept_layers_from_its_own_copy():
     own = fm.state() - 0.5  # the client's copy differs from the server's row, so its use is visible
     assert len(payload) == 1
     from pfedkit.train import seeded_generator
-    from pfedkit.algorithms import Cohort
+    from pfedkit.train import Cohort
     cohort = Cohort([cid], 1, data, fm, cfg.local, [seeded_generator(cfg.seed, 1, cid)])
-    (update,), (cstate,) = algo.client_update_many([payload], [{"weights": own.clone()}], cohort)
+    (update,), (cstate,) = algo.client_update([payload], [{"weights": own.clone()}], cohort)
 
     start = own.clone()
     (name,) = payload

@@ -244,10 +244,9 @@ def test_perfedavg_clients_with_few_batches_take_ceil_meta_steps_from_a_cycling_
     assert data.train_sizes[0] == num_train
     run = Run(cfg, data, Path("unused"))
     init = run.model.state()
-    gen = seeded_generator(cfg.seed, 1, 0)
-    from pfedkit.algorithms import ClientContext
-    update, _ = run.algo.client_update({"weights": init}, {}, ClientContext(0, 1, data.client(0), run.model,
-                                                                            cfg.local, gen))
+    from pfedkit.train import Cohort
+    (update,), _ = run.algo.client_update([{"weights": init}], [{}], Cohort([0], 1, data, run.model, cfg.local,
+                                                                            [seeded_generator(cfg.seed, 1, 0)]))
     # ceil(epochs * ceil(n / b) / 2) meta-steps; their 2 batches each come from successive seeded permutations
     batches = list(batch_indices(num_train, LocalConfig(epochs=0, steps=2 * meta_steps, batch_size=batch),
                                  seeded_generator(cfg.seed, 1, 0), torch.device("cpu")))
@@ -281,12 +280,12 @@ def test_representative_gradients_of_a_batchnorm_model_hold_its_parameters_only(
     # the clients sampled in round 1 trained from the initial model: a trained client's row is its trained
     # parameters minus the sent ones; the others' rows are still zero
     init = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)).state()
-    from pfedkit.algorithms import ClientContext
+    from pfedkit.train import Cohort
     trained = [c for c in range(4) if grads[c].abs().sum() > 0]
     assert 1 <= len(trained) <= 2
     for c in trained:
-        update, _ = run.algo.client_update({"weights": init}, {}, ClientContext(
-            c, 1, data.client(c), run.model, cfg.local, seeded_generator(cfg.seed, 1, c)))
+        (update,), _ = run.algo.client_update([{"weights": init}], [{}], Cohort(
+            [c], 1, data, run.model, cfg.local, [seeded_generator(cfg.seed, 1, c)]))
         assert torch.allclose(grads[c], update["weights"][:P] - init[:P], atol=1e-6)
 
 

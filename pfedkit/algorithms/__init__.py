@@ -1,12 +1,11 @@
-"""Registry of algorithms by name (the order is the order of the default comparison)."""
-from .base import Algorithm, ClientContext, Cohort, NoParams
-from .fedavg import FedAvg, FedProx
-from .local import Local
-from .perfedavg import PerFedAvg
-from .pfedla import HeurPFedLA, PFedLA
-from .pfedme import PFedCS, PFedMe
+"""The algorithms, registered on import in the order of the default comparison."""
+from ..registry import ALGORITHMS, NoParams
+from . import fedavg, local, perfedavg, pfedla, pfedme  # noqa: F401  (each registers its algorithms)
+from .base import Algorithm, build_algorithm, check_local
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (
-    Local, FedAvg, PFedLA, HeurPFedLA, FedProx, PerFedAvg, PFedMe, PFedCS)}
+ORDER = ("local", "fedavg", "pfedla", "heurpfedla", "fedprox", "perfedavg", "pfedme", "pfedcs")
+_ordered = {**{name: ALGORITHMS[name] for name in ORDER}, **ALGORITHMS}  # the default comparison's order
+ALGORITHMS.clear()
+ALGORITHMS.update(_ordered)
 
-__all__ = ["ALGORITHMS", "Algorithm", "ClientContext", "Cohort", "NoParams"]
+__all__ = ["ALGORITHMS", "Algorithm", "NoParams", "build_algorithm", "check_local"]

@@ -8,28 +8,23 @@ from dataclasses import dataclass
 import torch
 
 from ..config import at_least
-from .base import Algorithm, ClientContext, Cohort, Message, State, weighted_average
+from ..registry import register
+from ..train import PLAIN, Cohort, Objective
+from .base import Algorithm, Message, State, make_update, stacked, weighted_average
 
 
+@register
 class FedAvg(Algorithm):
     name = "fedavg"
 
-    def local_terms(self, start: torch.Tensor) -> dict:
-        """Extra terms of the local objective, given where training starts (one vector or a stack)."""
-        return {}
+    def objective(self, starts: torch.Tensor) -> Objective:
+        """The local objective beyond cross-entropy, given where the clients start (C, D)."""
+        return PLAIN
 
-    def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
-        weights, loss = ctx.train(payload["weights"], **self.local_terms(payload["weights"]))
-        return {"weights": weights, "num_samples": ctx.data.num_train, "train_loss": loss}, cstate
-
-    def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
-        if not (cohort.batchable and cohort.lockstep_pays()):
-            return super().client_update_many(payloads, cstates, cohort)
-        starts = torch.stack([p["weights"] for p in payloads])
-        trained, losses = cohort.train(starts, **self.local_terms(starts))
-        sizes = cohort.data.train_sizes
-        return [{"weights": w, "num_samples": int(sizes[c]), "train_loss": float(l)}
-                for w, c, l in zip(trained, cohort.cids, losses)], cstates
+    def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
+        starts = stacked(payloads)
+        trained, losses = cohort.train(starts, self.objective(starts))
+        return [make_update(n, loss, weights=w) for w, n, loss in zip(trained, cohort.num_samples, losses)], cstates
 
     def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
         return {**state, "weights": weighted_average(updates, weights)}
@@ -40,9 +35,10 @@ class FedProxParams:
     mu: float = at_least(0.0, 0.01)  # the paper's grid: 0.001, 0.01, 0.1, 1
 
 
+@register
 class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
 
-    def local_terms(self, start: torch.Tensor) -> dict:
-        return {"prox_anchor": start, "prox_mu": self.params.mu}
+    def objective(self, starts: torch.Tensor) -> Objective:
+        return Objective(prox_anchor=starts, prox_mu=self.params.mu)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import Algorithm, ClientContext, Message, State
+from ..registry import register
+from ..train import Cohort
+from .base import Algorithm, Message, State, make_update, stacked
 
 
+@register
 class Local(Algorithm):
     name = "local"
     has_global_model = False
@@ -17,24 +20,19 @@ class Local(Algorithm):
     def payload(self, state: State, cid: int, rnd: int) -> Message:
         return {}
 
+    def update_shapes(self) -> dict:
+        return {}  # only the statistics the engine logs go up (a few bytes); the model never leaves the client
+
     def init_client(self, cid: int, init: torch.Tensor) -> State:
         return {"weights": init.clone()}
 
-    def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
-        weights, loss = ctx.train(cstate["weights"])
-        # Only the statistics the engine logs go up (a few bytes); the model never leaves the client.
-        return {"num_samples": ctx.data.num_train, "train_loss": loss}, {"weights": weights}
-
-    def client_update_many(self, payloads, cstates, cohort):
-        if not (cohort.batchable and cohort.lockstep_pays()):
-            return super().client_update_many(payloads, cstates, cohort)
-        trained, losses = cohort.train(torch.stack([s["weights"] for s in cstates]))
-        sizes = cohort.data.train_sizes
-        return [{"num_samples": int(sizes[c]), "train_loss": float(l)} for c, l in zip(cohort.cids, losses)], \
+    def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
+        trained, losses = cohort.train(stacked(cstates))
+        return [make_update(n, loss) for n, loss in zip(cohort.num_samples, losses)], \
             [{"weights": w.clone()} for w in trained]
 
     def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
         return state
 
-    def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
-        return cstate["weights"]
+    def evaluated_models(self, payloads, cstates, cohort):
+        return [s["weights"] for s in cstates]

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from ..config import LocalConfig, at_least, choices
-from ..train import batch_indices, batched_sgd, sgd
-from .base import Algorithm, ClientContext, Cohort, Message, State, model_gradient
+from ..registry import register
+from ..train import Cohort
+from .base import Message, State, make_update, stacked
 from .fedavg import FedAvg
 
 
@@ -32,10 +33,10 @@ class PerFedAvgParams:
     adapt_steps: int = at_least(1, 1)  # SGD steps on train batches before evaluation
 
 
+@register
 class PerFedAvg(FedAvg):
     name = "perfedavg"
     Params = PerFedAvgParams
-    adapts = True
     unused_local = ("momentum", "weight_decay")  # the meta-steps are plain steps of alpha and beta
 
     @property
@@ -56,8 +57,8 @@ class PerFedAvg(FedAvg):
         return LocalConfig(epochs=0, steps=steps, batch_size=hp.batch_size, lr=hp.lr)
 
     def meta_step(self, theta: torch.Tensor, alpha: float, grad, batches: list) -> tuple[torch.Tensor, Any]:
-        """One Per-FedAvg step from theta (one vector, or a stack of clients' vectors with a batched `grad`);
-        `grad(params, batch) -> (gradient, loss)`. Returns (new theta, loss at theta on the first batch)."""
+        """One Per-FedAvg step from theta (a stack of clients' vectors); `grad(params, batch) -> (gradients,
+        losses)`. Returns (new theta, losses at theta on the first batch)."""
         p = self.params
         g0, loss = grad(theta, batches[0])
         g, _ = grad(theta - alpha * g0, batches[1])
@@ -66,58 +67,29 @@ class PerFedAvg(FedAvg):
             g = g - alpha * h
         return theta - p.beta * g, loss
 
-    def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
-        model, data = ctx.model, ctx.data
-        sent = payload["weights"]
-        model.load(sent)
-        theta = sent[: model.param_size].clone()
-
-        def grad(params, idx):
-            return model_gradient(model, params, data.x_train[idx], data.y_train[idx])
-
-        batches = list(batch_indices(data.num_train, self.plan(ctx.hp, data.num_train), ctx.gen, sent.device))
-        k = self.batches_per_step
-        losses = []
-        for s in range(len(batches) // k):
-            theta, loss = self.meta_step(theta, ctx.hp.lr, grad, batches[s * k: (s + 1) * k])
-            losses.append(loss)
-        weights = torch.cat([theta, model.vector[model.buffer_slice]])
-        return {"weights": weights, "num_samples": data.num_train, "train_loss": sum(losses) / len(losses)}, cstate
-
-    def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
-        """The same meta-steps for all clients in lockstep (with `local.steps`, where every client takes as many)."""
-        if not (cohort.batchable and cohort.hp.steps > 0):
-            return Algorithm.client_update_many(self, payloads, cstates, cohort)
-        data, k = cohort.data, self.batches_per_step
-        theta = torch.stack([m["weights"] for m in payloads])
-        idx, mask = cohort.plan(self.plan(cohort.hp))
-
-        def grad(params, t):
-            return cohort.loss(params, data.x_train[idx[t]], data.y_train[idx[t]], mask[t])
-
-        loss_sum = torch.zeros(len(theta), device=theta.device)
-        for s in range(cohort.hp.steps):
-            theta, losses = self.meta_step(theta, cohort.hp.lr, grad, list(range(s * k, (s + 1) * k)))
-            loss_sum += losses
-        sizes = data.train_sizes
-        return [{"weights": theta[i], "num_samples": int(sizes[c]), "train_loss": float(loss_sum[i] / cohort.hp.steps)}
-                for i, c in enumerate(cohort.cids)], cstates
+    def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
+        P, k = self.model.param_size, self.batches_per_step
+        sent = stacked(payloads)
+        steps = [self.meta_steps(n, cohort.hp) for n in cohort.num_samples]
+        stream = cohort.stream([self.plan(cohort.hp, n) for n in cohort.num_samples],
+                               sent[:, P:] if sent.shape[1] > P else None)
+        theta = sent[:, :P].clone()
+        loss_sum = torch.zeros(len(sent), dtype=torch.float64)
+        for s in range(max(steps)):
+            active = torch.tensor([s < n for n in steps])
+            new, losses = self.meta_step(theta, cohort.hp.lr, stream.gradient, list(range(s * k, (s + 1) * k)))
+            theta = torch.where(active[:, None], new, theta)  # a client whose steps are done stays put
+            loss_sum += torch.where(active, losses, 0.0)
+        if stream.buffers is not None:
+            theta = torch.cat([theta, stream.buffers], 1)
+        return [make_update(n, loss_sum[i] / steps[i], weights=theta[i])
+                for i, n in enumerate(cohort.num_samples)], cstates
 
     def adapt_plan(self, hp: LocalConfig) -> LocalConfig:
         """`adapt_steps` plain SGD steps (lr alpha) on the client's train batches."""
         return LocalConfig(epochs=0, steps=self.params.adapt_steps, batch_size=hp.batch_size, lr=hp.lr)
 
-    def adapt(self, vector: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
-        """The global model after `adapt_steps` SGD steps on the client's train batches."""
-        ctx.model.load(vector)
-        sgd(ctx.model, ctx.data, self.adapt_plan(ctx.hp), ctx.gen)
-        return ctx.model.state()
-
-    def adapt_many(self, vectors: list[torch.Tensor], cohort: Cohort) -> list[torch.Tensor]:
-        if not cohort.batchable:
-            return super().adapt_many(vectors, cohort)
-        plan = self.adapt_plan(cohort.hp)
-        idx, mask = cohort.plan(plan)
-        adapted, _ = batched_sgd(cohort.loss, torch.stack(vectors), cohort.data.x_train, cohort.data.y_train, idx,
-                                 mask, plan)
+    def evaluated_models(self, payloads: list[Message], cstates: list[State], cohort: Cohort) -> list[torch.Tensor]:
+        """The global model after `adapt_steps` SGD steps on each client's train batches."""
+        adapted, _ = cohort.train(stacked(payloads), hp=self.adapt_plan(cohort.hp))
         return list(adapted)

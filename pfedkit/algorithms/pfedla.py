@@ -26,8 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from ..config import at_least, choices
+from ..errors import ConfigError
 from ..models import FlatModel
-from .base import Algorithm, ClientContext, Message, State
+from ..registry import register
+from ..train import Cohort
+from .base import Algorithm, Message, State, make_update
 
 HN_KEYS = ("emb", "w1", "b1", "w2", "b2", "w3", "b3", "head_w", "head_b")
 
@@ -66,17 +69,17 @@ def layer_groups(model: FlatModel, granularity: str) -> list[tuple[str, slice]]:
     return groups
 
 
+@register
 class PFedLA(Algorithm):
     name = "pfedla"
     Params = PFedLAParams
     has_global_model = False
 
-    def __init__(self, params, model, num_clients, cfg):
-        super().__init__(params, model, num_clients, cfg)
+    def __init__(self, params, model, num_clients, seed=0):
+        super().__init__(params, model, num_clients, seed)
         self.groups = layer_groups(model, params.granularity)
         self.slices = dict(self.groups)
         if params.k > len(self.groups):
-            from ..errors import ConfigError
             raise ConfigError(f"config key '{self.name}.k': {params.k} is more than the model's "
                               f"{len(self.groups)} layers; allowed: 0 to {len(self.groups)}")
         self.sequential = params.sequential
@@ -84,7 +87,7 @@ class PFedLA(Algorithm):
     # -- hypernetworks -----------------------------------------------------------------------------------------
     def init_hypernetworks(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
         n, e, h, layers = self.num_clients, self.params.embedding_dim, self.params.hidden_dim, len(self.groups)
-        gen = torch.Generator().manual_seed(self.cfg.seed + 7919)
+        gen = torch.Generator().manual_seed(self.seed + 7919)
 
         def uniform(shape, bound):  # PyTorch's default Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
             return (torch.rand(shape, generator=gen) * 2 - 1) * bound
@@ -150,12 +153,23 @@ class PFedLA(Algorithm):
         return {cid: {name: mixed[r, s] for l, (name, s) in enumerate(self.groups) if not kept[r][l]}
                 for r, cid in enumerate(cids)}
 
-    def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
-        start = cstate["weights"].clone()  # own copy: kept layers and BN statistics
-        for name, values in payload.items():
-            start[self.slices[name]] = values
-        trained, loss = ctx.train(start)
-        return {"weights": trained, "num_samples": ctx.data.num_train, "train_loss": loss}, {"weights": trained}
+    def starts(self, payloads: list[Message], cstates: list[State]) -> torch.Tensor:
+        """Each client's own vector (kept layers, BN statistics) with the sent layers written in: (C, D)."""
+        starts = torch.stack([s["weights"] for s in cstates])
+        for i, payload in enumerate(payloads):
+            for name, values in payload.items():
+                starts[i, self.slices[name]] = values
+        return starts
+
+    def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
+        trained, losses = cohort.train(self.starts(payloads, cstates))
+        return [make_update(n, loss, weights=w) for w, n, loss in zip(trained, cohort.num_samples, losses)], \
+            [{"weights": w.clone()} for w in trained]
+
+    def evaluated_models(self, payloads, cstates, cohort):
+        """The personalized layers over the client's own kept layers and BN statistics (its latest trained vector,
+        which the server's Theta row also holds)."""
+        return list(self.starts(payloads, cstates))
 
     def hn_gradients(self, state: State, cids: list[int], trained: torch.Tensor) -> dict[str, torch.Tensor]:
         """Gradients of the given clients' hypernetworks (rows of the stacked tensors): the vector-Jacobian
@@ -190,15 +204,13 @@ class PFedLA(Algorithm):
             state["theta"][idx] = trained
         return state
 
-    def personalized_many(self, state: State, cstates: list[State], cids: list[int]) -> list[torch.Tensor]:
+    def personalized(self, state: State, cids: list[int]) -> torch.Tensor:
+        """The vectors the given clients are evaluated with, as the server sees them: the mixed parameters over each
+        client's own BN statistics (its Theta row), (C, D)."""
         idx, alpha, _ = self._weights_of(state, cids)
         theta = state["theta"]
         with torch.no_grad():
-            own_buffers = theta[idx][:, self.model.param_size:]  # BN statistics: always the client's own
-            return list(torch.cat([self.mix(theta, alpha), own_buffers], dim=1))
-
-    def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
-        return self.personalized_many(state, [cstate], [cid])[0]
+            return torch.cat([self.mix(theta, alpha), theta[idx][:, self.model.param_size:]], dim=1)
 
     def describe(self) -> dict:
         return {"alpha_layers": [name for name, _ in self.groups],
@@ -214,6 +226,7 @@ class PFedLA(Algorithm):
         return out
 
 
+@register
 class HeurPFedLA(PFedLA):
     """pFedLA with the k layers of highest self-weight kept local (k = 1 in the paper's Tables 1 and 2)."""
     name = "heurpfedla"

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LocalConfig, at_least, choices
-from ..train import batch_indices
-from .base import Algorithm, ClientContext, Cohort, Message, State, model_gradient, weighted_average
+from ..registry import register
+from ..train import Cohort
+from .base import GRADIENT_KEY, Algorithm, Message, State, make_update, stacked, weighted_average
 
 
 @dataclass
@@ -41,6 +42,7 @@ class PFedCSParams(PFedMeParams):
     gradient: str = choices("local", "personal", default="local")  # representative gradient: w_loc - w or theta - w
 
 
+@register
 class PFedMe(Algorithm):
     name = "pfedme"
     Params = PFedMeParams
@@ -49,83 +51,76 @@ class PFedMe(Algorithm):
     # the solver draws R = local_rounds batches of local.batch_size and steps with personal_lr and eta
     unused_local = ("epochs", "steps", "lr", "momentum", "weight_decay")
 
-    def __init__(self, params, model, num_clients, cfg):
-        super().__init__(params, model, num_clients, cfg)
+    def __init__(self, params, model, num_clients, seed=0):
+        super().__init__(params, model, num_clients, seed)
         self.trains_all = params.train_all
+
+    @property
+    def sends_gradient(self) -> bool:
+        return getattr(self.params, "gradient", "local") == "personal"
 
     def plan(self, hp: LocalConfig) -> LocalConfig:
         """R mini-batches per round, drawn like any local stream (seeded permutations, cycling)."""
         return LocalConfig(epochs=0, steps=self.params.local_rounds, batch_size=hp.batch_size, lr=self.params.eta)
 
+    def update_shapes(self) -> dict:
+        shapes = {"weights": (self.model.size,)}
+        if self.sends_gradient:  # parameters only: BatchNorm statistics say nothing of the data's gradient
+            shapes[GRADIENT_KEY] = (self.model.param_size,)
+        return shapes
+
     def init_client(self, cid: int, init: torch.Tensor) -> State:
         return {"personal": init.clone()}
 
-    def _message(self, w_loc: torch.Tensor, theta: torch.Tensor, sent: torch.Tensor, num: int, loss: float):
-        msg = {"weights": w_loc, "num_samples": num, "train_loss": loss}
-        if getattr(self.params, "gradient", "local") == "personal":
-            P = self.model.param_size  # parameters only: BatchNorm statistics say nothing of the data's gradient
-            msg["gradient"] = theta[:P] - sent[:P]  # the personal model's move, for the similarity sampler
-        return msg
-
     def personal_steps(self, theta: torch.Tensor, w_loc: torch.Tensor, gradient) -> tuple[torch.Tensor, torch.Tensor]:
         """K steps towards the proximal point argmin_theta f(theta) + lambda/2 ||theta - w_loc||^2 (+ mu/2 ||theta||^2)
-        on one mini-batch; `gradient(theta) -> (grad, loss)`. Returns (theta, summed loss of the K steps)."""
+        on one mini-batch, for a stack of clients; `gradient(theta) -> (grads, losses)`. Returns (theta, summed
+        losses of the K steps). Each product is its own rounding (no fused multiply-add), so a client's result does
+        not depend on where its row sits in the stack."""
         p = self.params
         keep, pull = 1 - p.personal_lr * (p.lamda + p.mu), p.personal_lr * p.lamda
         theta = theta.clone()
         loss_sum = 0.0
         for _ in range(p.inner_steps):
             grad, loss = gradient(theta)
-            # theta - plr (grad + lambda (theta - w_loc) + mu theta), in place: three passes, no temporaries
-            theta.mul_(keep).add_(w_loc, alpha=pull).sub_(grad, alpha=p.personal_lr)
+            # theta - plr (grad + lambda (theta - w_loc) + mu theta) = keep theta + pull w_loc - plr grad
+            theta.mul_(keep).add_(w_loc * pull).sub_(grad * p.personal_lr)
             loss_sum = loss_sum + loss
         return theta, loss_sum
 
-    def client_update(self, payload: Message, cstate: State, ctx: ClientContext) -> tuple[Message, State]:
-        model, data, P = ctx.model, ctx.data, ctx.model.param_size
-        sent = payload["weights"]
-        model.load(sent)  # buffers (BatchNorm statistics), if any, evolve in the model during local training
-        theta, w_loc = sent[:P].clone(), sent[:P].clone()
-        loss_sum, steps = 0.0, 0
-        for idx in batch_indices(data.num_train, self.plan(ctx.hp), ctx.gen, sent.device):
-            x, y = data.x_train[idx], data.y_train[idx]
-            theta, loss = self.personal_steps(theta, w_loc, lambda th: model_gradient(model, th, x, y))
-            w_loc = w_loc - self.params.eta * self.params.lamda * (w_loc - theta)
-            loss_sum, steps = loss_sum + loss, steps + self.params.inner_steps
-        buffers = model.vector[model.buffer_slice]
-        personal, local = torch.cat([theta, buffers]), torch.cat([w_loc, buffers])
-        return self._message(local, personal, sent, data.num_train, loss_sum / max(steps, 1)), {"personal": personal}
-
-    def client_update_many(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
-        """The same solver for all clients in lockstep: one batched gradient per inner step."""
-        if not cohort.batchable:
-            return super().client_update_many(payloads, cstates, cohort)
-        data = cohort.data
-        sent = torch.stack([m["weights"] for m in payloads])
-        theta, w_loc = sent.clone(), sent.clone()
-        idx, mask = cohort.plan(self.plan(cohort.hp))
-        loss_sum = torch.zeros(len(sent), device=sent.device)
-        steps = torch.zeros(len(sent), device=sent.device)
+    def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
+        P = self.model.param_size
+        sent = stacked(payloads)
+        theta, w_loc = sent[:, :P].clone(), sent[:, :P].clone()
+        # buffers (BatchNorm statistics), if any, evolve per client during local training
+        stream = cohort.stream(self.plan(cohort.hp), sent[:, P:] if sent.shape[1] > P else None)
+        loss_sum = torch.zeros(len(sent), dtype=torch.float64)
         step = self.params.eta * self.params.lamda
-        for t in range(idx.shape[0]):  # R mini-batches; every client's stream has R of them (steps plan)
-            x, y, m = data.x_train[idx[t]], data.y_train[idx[t]], mask[t]
-            theta, losses = self.personal_steps(theta, w_loc, lambda th: cohort.loss(th, x, y, m))
-            w_loc.mul_(1 - step).add_(theta, alpha=step)  # w_loc - eta lambda (w_loc - theta)
+        for t in range(stream.steps):  # R mini-batches; every client's stream has R of them (steps plan)
+            theta, losses = self.personal_steps(theta, w_loc, lambda th: stream.gradient(th, t))
+            w_loc = w_loc - step * (w_loc - theta)
             loss_sum += losses
-            steps += self.params.inner_steps
-        sizes = data.train_sizes
-        updates = [self._message(w_loc[i], theta[i], sent[i], int(sizes[c]), float(loss_sum[i] / steps[i].clamp_min(1)))
-                   for i, c in enumerate(cohort.cids)]
-        return updates, [{"personal": theta[i].clone()} for i in range(len(cohort.cids))]
+        if stream.buffers is not None:
+            theta, w_loc = torch.cat([theta, stream.buffers], 1), torch.cat([w_loc, stream.buffers], 1)
+        mean_loss = loss_sum / max(stream.steps * self.params.inner_steps, 1)
+        updates = []
+        for i, n in enumerate(cohort.num_samples):
+            extra = {GRADIENT_KEY: theta[i, :P] - sent[i, :P]} if self.sends_gradient else {}  # the personal model's move
+            updates.append(make_update(n, mean_loss[i], weights=w_loc[i], **extra))
+        return updates, [{"personal": theta[i].clone()} for i in range(len(sent))]
+
+    def eval_payloads(self, state: State, cids: list[int]) -> dict[int, Message]:
+        return {cid: {} for cid in cids}  # a client is scored with its own personal model
+
+    def evaluated_models(self, payloads, cstates, cohort):
+        return [s["personal"] for s in cstates]
 
     def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
         beta = self.params.beta
         return {**state, "weights": (1 - beta) * state["weights"] + beta * weighted_average(updates, weights)}
 
-    def personalized(self, state: State, cstate: State, cid: int) -> torch.Tensor:
-        return cstate["personal"]
 
-
+@register
 class PFedCS(PFedMe):
     """pFedMe's local objective, clients sampled by the similarity of their representative gradients
     (Fraboni et al.'s Algorithm 2, `sampling: auto`), w <- (1 - beta) w + beta * mean of the sampled w_loc."""

@@ -76,6 +76,19 @@ class FederatedData:
         view.test_counts = np.zeros_like(self.test_counts)
         return view
 
+    def only(self, cids: list[int]) -> "FederatedData":
+        """These clients' data alone (copies, so the rest can be freed): what one Flower ClientApp holds."""
+        view = copy.copy(self)
+        for split in ("train", "test"):
+            off = getattr(self, f"{split}_offsets")
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            setattr(view, f"x_{split}", torch.cat([x[off[c]: off[c + 1]] for c in cids]).clone())
+            setattr(view, f"y_{split}", torch.cat([y[off[c]: off[c + 1]] for c in cids]).clone())
+            setattr(view, f"{split}_offsets", np.r_[0, np.cumsum([off[c + 1] - off[c] for c in cids])].astype(np.int64))
+            setattr(view, f"{split}_counts", getattr(self, f"{split}_counts")[cids])
+        view.label_sets = [self.label_sets[c] for c in cids]
+        return view
+
     def majority_label_accuracy(self) -> np.ndarray:
         """Per client: test accuracy of always predicting its most frequent training label (specs §3.8)."""
         majority = self.train_counts.argmax(axis=1)

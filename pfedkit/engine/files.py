@@ -1,0 +1,105 @@
+"""The run folder's files: atomic writes, the observables log, and what a checkpoint is checked against."""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import PfedkitError
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write then rename, so a crash or a full disk never leaves a half-written file under `path`: the previous
+    version stays until the new one is complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        kept = f"; the previous {path.name} is intact" if path.exists() else ""
+        raise PfedkitError(f"could not write {path}: {exc.strerror or exc} (disk full or not writable?){kept}") from None
+
+
+RESUMABLE_KEYS = {"rounds", "progress", "plots", "threads", "device", "checkpoint_every"}  # may change on resume
+
+
+def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def structure_mismatch(want: Any, got: Any, where: str) -> str | None:
+    """Where `got` differs from `want` in its containers' keys and lengths or its tensors' shapes and dtypes."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return f"{where} holds {shape}, this config makes {tuple(want.shape)}"
+        return None
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return f"{where} holds keys {sorted(got) if isinstance(got, dict) else type(got).__name__}, " \
+                   f"this config makes {sorted(want)}"
+        return next(filter(None, (structure_mismatch(want[k], got[k], f"{where}.{k}") for k in want)), None)
+    if isinstance(want, list):
+        if not isinstance(got, list) or len(got) != len(want):
+            return f"{where} holds {len(got) if isinstance(got, list) else type(got).__name__} entries, " \
+                   f"this config makes {len(want)}"
+        return next(filter(None, (structure_mismatch(w, g, f"{where}[{i}]") for i, (w, g) in enumerate(zip(want, got)))),
+                    None)
+    return None
+
+
+class ObservableLog:
+    """Arrays an algorithm exposes at each evaluation (pFedLA's aggregation weights). During the run each is one
+    atomically written `observables/<name>/r<round>.npy`; at the end they are packed into `<name>.npz`, keyed
+    `r<round>` (e.g. `np.load("alpha.npz")["r00040"]`). A resumed run drops the files written after its checkpoint.
+    """
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.dir = out / "observables"
+
+    def write(self, rnd: int, arrays: dict[str, Any]) -> None:
+        for name, array in arrays.items():
+            folder = self.dir / name
+            folder.mkdir(parents=True, exist_ok=True)
+            buf = io.BytesIO()
+            np.save(buf, np.asarray(array), allow_pickle=False)
+            atomic_write(folder / f"r{rnd:05d}.npy", buf.getvalue())
+
+    def truncate(self, last_round: int) -> None:
+        for f in self.dir.glob("*/r*.npy"):
+            if int(f.stem[1:]) > last_round:
+                f.unlink()
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for stale in self.out.glob("*.npz"):  # packed logs of an earlier run in this folder
+            stale.unlink()
+
+    def pack(self) -> None:
+        if not self.dir.is_dir():
+            return
+        for folder in sorted(p for p in self.dir.iterdir() if p.is_dir()):
+            target = self.out / f"{folder.name}.npz"
+            tmp = target.with_name(target.name + ".tmp")
+            with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for f in sorted(folder.glob("r*.npy")):
+                    zf.write(f, arcname=f.name)
+            os.replace(tmp, target)
+        shutil.rmtree(self.dir)

@@ -1,0 +1,135 @@
+"""pfedkit on Flower, for real: Flower's simulation runtime (Ray) and a deployment of Flower's own processes on
+127.0.0.1 (flower-superlink, flower-supernode per partition, flwr run of pfedkit's app), each compared with the
+in-process engine on the same config; faulty and dying SuperNodes; a ServerApp stopped and resumed.
+Skipped only where the `flower` extra is not installed (.ci/run installs it)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason="pip install -e '.[flower]'")
+
+from pfedkit.cli import main  # noqa: E402
+from pfedkit.config import dump_config, load_config  # noqa: E402
+from pfedkit.engine import TIMING_KEYS  # noqa: E402
+from pfedkit.experiment import run_experiment  # noqa: E402
+from pfedkit.flower.loopback import Loopback  # noqa: E402
+
+SMALL = ["dataset.name=mnist5k", "partition.samples_per_client=60", "model.name=cnn", "local.epochs=1",
+         "local.batch_size=20", "progress=false", "plots=false", "checkpoint_every=1", "pfedme.local_rounds=3",
+         "pfedcs.local_rounds=3"]
+RUN_FILES = {"config.yaml", "metrics.jsonl", "summary.json", "partition.json", "algorithm.json", "checkpoint.pt"}
+
+
+def small(clients: int, rounds: int, algorithms: str, *extra: str):
+    return load_config(None, SMALL + [f"partition.num_clients={clients}", f"rounds={rounds}", *extra], algorithms)
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_metrics(flower: Path, inprocess: Path, names: list[str]) -> None:
+    """Every metrics field but the timings is the same (the client path is the same arithmetic: one CNN client at a
+    time in both runtimes), and the run folders hold the same files."""
+    for name in names:
+        a, b = rows(flower / name), rows(inprocess / name)
+        assert len(a) == len(b), name
+        for ra, rb in zip(a, b):
+            for key in rb:
+                if key not in TIMING_KEYS:
+                    assert ra[key] == pytest.approx(rb[key], rel=1e-9, abs=1e-12), (name, ra["round"], key)
+        assert RUN_FILES <= {p.name for p in (flower / name).iterdir()}, name
+        assert {p.name for p in (flower / name).iterdir()} == {p.name for p in (inprocess / name).iterdir()}, name
+
+
+SIX = "fedavg,pfedla,heurpfedla,pfedme,pfedcs,perfedavg"
+
+
+def test_the_simulation_runtime_gives_the_in_process_metrics_for_six_algorithms(tmp_path):
+    """`pfedkit run --runtime flower`: Flower's simulation runtime, three virtual SuperNodes, two sampled a round."""
+    extra = ["partition.num_clients=3", "rounds=2", "clients_per_round=2"]
+    default_job = Path(main.__code__.co_filename).with_name("default.yaml")  # what `pfedkit run` reads
+    run_experiment(load_config(default_job, SMALL + extra, SIX), tmp_path / "inprocess", log=lambda s: None)
+    sets = [arg for item in SMALL + extra for arg in ("--set", item)]
+    assert main(["run", "--runtime", "flower", "--algorithms", SIX, "--out", str(tmp_path / "flower"), *sets]) == 0
+    assert_same_metrics(tmp_path / "flower", tmp_path / "inprocess", SIX.split(","))
+    assert (tmp_path / "flower" / "comparison.md").is_file()
+    stats = json.loads((tmp_path / "flower" / "flower.json").read_text())
+    assert stats["messages"] > 0 and stats["serialized_array_bytes"] > stats["tensor_bytes"]  # .npy framing
+    assert main(["plot", str(tmp_path / "flower")]) == 0  # pfedkit plot reads the Flower run folder
+
+
+def wait_for_rows(folder: Path, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (folder / "metrics.jsonl").is_file() and len(rows(folder)) >= count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{folder} did not reach {count} metrics rows in {timeout:.0f} s")
+
+
+def test_a_loopback_deployment_gives_the_in_process_metrics_and_resumes_after_the_serverapp_is_stopped(tmp_path):
+    """Two SuperNodes on 127.0.0.1. (1) FedAvg and pFedMe equal the in-process engine. (2) A 3-round pFedMe run
+    (its clients keep personal models between rounds) whose ServerApp is stopped after its round-1 checkpoint,
+    submitted again with resume=true (a new Flower run: fresh context.state), ends with the uninterrupted in-process
+    run's metrics: the clients' states come back from their nodes' state files."""
+    equal = small(2, 2, "fedavg,pfedme")
+    (tmp_path / "equal.yaml").write_text(dump_config(equal))
+    resumed = small(2, 3, "pfedme")
+    (tmp_path / "resumed.yaml").write_text(dump_config(resumed))
+    run_experiment(equal, tmp_path / "equal_inprocess", log=lambda s: None)
+    run_experiment(resumed, tmp_path / "resumed_inprocess", log=lambda s: None)
+    with Loopback(2, tmp_path / "flwr") as dep:
+        run_id = dep.submit(config=tmp_path / "equal.yaml", out=tmp_path / "equal_flower")
+        assert "completed" in dep.wait(run_id, 600), dep.log_of(run_id)[-2000:]
+        assert_same_metrics(tmp_path / "equal_flower", tmp_path / "equal_inprocess", ["fedavg", "pfedme"])
+
+        out = tmp_path / "resumed_flower"
+        run_id = dep.submit(config=tmp_path / "resumed.yaml", out=out)
+        wait_for_rows(out / "pfedme", 1, 300)
+        deadline = time.monotonic() + 60
+        while not (out / "pfedme" / "checkpoint.pt").is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        dep.flwr("stop", str(run_id), "loopback")  # the ServerApp is killed
+        time.sleep(2)
+        assert not (out / "pfedme" / "summary.json").exists()
+        run_id = dep.submit(config=tmp_path / "resumed.yaml", out=out, resume=True)
+        assert "completed" in dep.wait(run_id, 600), dep.log_of(run_id)[-2000:]
+        assert_same_metrics(out, tmp_path / "resumed_inprocess", ["pfedme"])
+
+
+def test_faulty_and_dying_supernodes_are_named_and_the_run_goes_on(tmp_path):
+    """Four SuperNodes: 0 sound, 1 sends NaN, 2 a wrongly shaped tensor, 3 is SIGKILLed after round 1. Every round
+    completes with client 0 (and 3 while it lives); each faulty client is named in the log with its round; the
+    server state only ever takes the sound updates. With min-replies=3 (two sound nodes) the first round stops the
+    run, with one line."""
+    cfg = small(4, 3, "fedavg")
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    faults = {1: "fault='nan'", 2: "fault='shape'"}
+    with Loopback(4, tmp_path / "flwr", node_config=faults) as dep:
+        out = tmp_path / "faulty"
+        run_id = dep.submit(config=tmp_path / "cfg.yaml", out=out, timeout=60.0)
+        wait_for_rows(out / "fedavg", 1, 300)
+        dep.kill_node(3)
+        assert "completed" in dep.wait(run_id, 600), dep.log_of(run_id)[-2000:]
+        log = dep.log_of(run_id)
+        for rnd in (1, 2, 3):
+            assert f"round {rnd}: client 1 sent non-finite values in 'weights'" in log
+            assert f"round {rnd}: client 2 sent 'weights' of shape" in log
+        assert "no reply from clients [3]" in log or "client 3 failed" in log
+        metrics = rows(out / "fedavg")
+        assert [r["aggregated"] for r in metrics][0] == 2 and all(r["aggregated"] in (1, 2) for r in metrics)
+        assert metrics[-1]["aggregated"] == 1  # client 3 is gone
+        assert metrics[-1]["personalized_acc"] >= 0.0 and (out / "fedavg" / "summary.json").is_file()
+
+        dep.start_node(3)  # a sound SuperNode for partition 3 again
+        stopped = tmp_path / "stopped"
+        run_id = dep.submit(config=tmp_path / "cfg.yaml", out=stopped, timeout=60.0, **{"min-replies": 3})
+        dep.wait(run_id, 300)
+        failure = (stopped / "fedavg" / "failed.txt").read_text()
+        assert failure.startswith("round 1: 2 of 4 clients sent a usable update (at least 3 needed")
+        assert "\n" not in failure
