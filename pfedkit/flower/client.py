@@ -65,7 +65,8 @@ def runtime(source: str, seed: int, pid: int) -> ClientRuntime:
         _LOADED.clear()  # one experiment (and seed) at a time
         cfg = config_from(source)
         cfg = cfg.with_seed(seed) if cfg.seeds else cfg
-        torch.set_num_threads(cfg.threads or 1)  # several ClientApps share the machine's cores
+        if cfg.threads:  # else the runtime's default (Ray gives each simulation worker its share of the cores)
+            torch.set_num_threads(cfg.threads)
         _LOADED[key] = (cfg, prepare(cfg), {})
     cfg, full, runtimes = _LOADED[key]
     if pid not in runtimes:

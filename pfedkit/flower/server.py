@@ -49,8 +49,10 @@ class FlowerStats:
 
 
 def map_partitions(grid: Grid, num_clients: int, timeout: float, log: Callable[[str], None]) -> dict[int, int]:
-    """partition id -> node id, asking each node which partition it serves, until every partition has a node."""
+    """partition id -> node id, asking each node once which partition it serves (its reply may take a while: a
+    ClientApp starting up), until every partition has a node."""
     node_of: dict[int, int] = {}
+    pending: dict[str, int] = {}  # message id -> node asked
     asked: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(node_of) < num_clients:
@@ -58,27 +60,28 @@ def map_partitions(grid: Grid, num_clients: int, timeout: float, log: Callable[[
         if new:
             msgs = [Message(RecordDict({CONFIG: ConfigRecord({"ask": "partition"})}), dst_node_id=n,
                             message_type=MessageType.QUERY) for n in new]
-            # a short wait per try: a node that died keeps its id for a while and never answers; ask it again later
-            for reply in grid.send_and_receive(msgs, timeout=min(max(deadline - time.monotonic(), 1.0), 15.0)):
-                node = reply.metadata.src_node_id
-                if reply.has_error() or METRICS not in reply.content:
-                    continue
-                asked.add(node)
-                pid = int(reply.content[METRICS]["partition"])
-                if pid in node_of:
-                    raise PfedkitError(f"two SuperNodes serve partition {pid}; give each its own --node-config "
-                                       "\"partition-id=...\"")
-                if not 0 <= pid < num_clients:
-                    raise PfedkitError(f"a SuperNode serves partition {pid}, but the config has "
-                                       f"partition.num_clients = {num_clients} (0..{num_clients - 1})")
-                node_of[pid] = node
+            pending.update(zip(grid.push_messages(msgs), new))
+            asked.update(new)
+        for reply in grid.pull_messages(list(pending)) if pending else []:
+            node = pending.pop(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+            if reply.has_error() or METRICS not in reply.content:
+                asked.discard(node)  # ask again
+                continue
+            pid = int(reply.content[METRICS]["partition"])
+            if pid in node_of and node_of[pid] != node:
+                raise PfedkitError(f"two SuperNodes serve partition {pid}; give each its own --node-config "
+                                   "\"partition-id=...\"")
+            if not 0 <= pid < num_clients:
+                raise PfedkitError(f"a SuperNode serves partition {pid}, but the config has "
+                                   f"partition.num_clients = {num_clients} (0..{num_clients - 1})")
+            node_of[pid] = node
         if len(node_of) < num_clients:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(num_clients)) - set(node_of))
                 raise PfedkitError(f"only {len(node_of)} of {num_clients} partitions have a SuperNode after "
                                    f"{timeout:.0f} s (missing: {missing[:10]}{'...' if len(missing) > 10 else ''}); "
                                    "start one flower-supernode per partition")
-            time.sleep(0.5)
+            time.sleep(0.2)
     return node_of
 
 
@@ -189,7 +192,7 @@ class FlowerClients:
 
 def make_server_app(config_source: str | None = None, out: str | None = None, *, resume: bool = False,
                     overwrite: bool = False, timeout: float = 600.0, min_replies: int = 1,
-                    connect_timeout: float = 120.0, errors: list | None = None,
+                    connect_timeout: float = 300.0, errors: list | None = None,
                     log: Callable[[str], None] = print) -> ServerApp:
     """A ServerApp running one pfedkit experiment (every algorithm of the config, each into out/<algorithm>/).
     Settings come from here (simulation) or from the run config (deployment: config, out, resume, timeout,
