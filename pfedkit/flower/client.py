@@ -16,8 +16,7 @@ from flwr.clientapp import ClientApp
 
 from ..algorithms import build_algorithm
 from ..config import Config, from_dict, load_config
-from ..data import FederatedData
-from ..experiment import prepare
+from ..data import FederatedData, build_federated
 from ..models import FlatModel, build_model
 from ..engine.clients import eval_vectors, fit_clients, score
 from .records import ARRAYS, METRICS, config_of, from_arrays, message_content
@@ -49,7 +48,8 @@ class ClientRuntime:
     def run(self, spec: str):
         if spec not in self.runs:
             one = self.cfg.for_algorithm(spec)
-            model = FlatModel(build_model(one.model, self.data.input_shape, self.data.num_classes, one.seed))
+            model = FlatModel(build_model(one.model, self.data.input_shape, self.data.num_classes, one.seed)
+                              .to(self.data.device))
             self.runs[spec] = (one, model, build_algorithm(one, model, self.num_clients), model.state())
         return self.runs[spec]
 
@@ -67,7 +67,8 @@ def runtime(source: str, seed: int, pid: int) -> ClientRuntime:
         cfg = cfg.with_seed(seed) if cfg.seeds else cfg
         if cfg.threads:  # else the runtime's default (Ray gives each simulation worker its share of the cores)
             torch.set_num_threads(cfg.threads)
-        _LOADED[key] = (cfg, prepare(cfg), {})
+        cuda = cfg.device in ('cuda', 'auto') and torch.cuda.is_available()  # the node's own GPU, if any
+        _LOADED[key] = (cfg, build_federated(cfg, 'cuda' if cuda else 'cpu'), {})
     cfg, full, runtimes = _LOADED[key]
     if pid not in runtimes:
         runtimes[pid] = ClientRuntime(cfg, pid, full)
@@ -93,13 +94,13 @@ class ClientState:
         """The state after the client's last training round < `before` (its fresh state if none)."""
         held = self._round_of_memory()
         if held is not None and held < before:
-            return from_arrays(self.context.state[self.key])
+            return from_arrays(self.context.state[self.key], init.device)
         if self.dir is not None and self.dir.is_dir():
             rounds = sorted(int(f.stem[1:]) for f in self.dir.glob("r*.npz") if f.stem[1:].isdigit())
             usable = [r for r in rounds if r < before]
             if usable:
                 with np.load(self.dir / f"r{usable[-1]}.npz", allow_pickle=False) as z:
-                    return {k: torch.from_numpy(z[k].copy()) for k in z.files}
+                    return {k: torch.from_numpy(z[k].copy()).to(init.device) for k in z.files}
         return algo.init_client(self.pid, init)
 
     def save(self, rnd: int, state: dict, checkpointed: int) -> None:
@@ -157,7 +158,7 @@ def make_client_app(config_source: str | None = None) -> ClientApp:
     def train(msg: Message, context: Context) -> Message:
         rt, pid, rnd, spec, states, info = setup(msg, context)
         one, model, algo, init = rt.run(spec)
-        payload = from_arrays(msg.content[ARRAYS])
+        payload = from_arrays(msg.content[ARRAYS], rt.data.device)
         cstate = states.load(rnd, algo, init)
         (update,), (state,) = fit_clients(algo, rt.data, model, one.local, one.seed, rnd, [pid], [payload], [cstate],
                                           positions=[0])
@@ -173,7 +174,7 @@ def make_client_app(config_source: str | None = None) -> ClientApp:
     def evaluate(msg: Message, context: Context) -> Message:
         rt, pid, rnd, spec, states, info = setup(msg, context)
         one, model, algo, init = rt.run(spec)
-        payload = from_arrays(msg.content[ARRAYS])
+        payload = from_arrays(msg.content[ARRAYS], rt.data.device)
         glob = payload.pop(GLOBAL_KEY, None)
         if info.get("global_key"):  # the payload's own tensor is the global model (sent once)
             glob = payload[str(info["global_key"])]
