@@ -134,3 +134,30 @@ def test_faulty_and_dying_supernodes_are_named_and_the_run_goes_on(tmp_path):
         failure = (stopped / "fedavg" / "failed.txt").read_text()
         assert failure.startswith("round 1: 2 of 4 clients sent a usable update (at least 3 needed")
         assert "\n" not in failure
+
+
+def test_a_loopback_deployment_over_tls_with_self_signed_certificates(tmp_path):
+    """The README's TLS option: a CA and a server certificate for 127.0.0.1 made with openssl; the SuperLink serves
+    TLS, the SuperNodes and the flwr CLI trust the CA; the run gives the in-process metrics."""
+    import shutil
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    steps = [
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -keyout ca.key -out ca.crt -subj /CN=pfedkit-test-ca",
+        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost",
+        "openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.pem -days 2 "
+        "-extfile san.ext",
+    ]
+    (tmp_path / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    for step in steps:
+        subprocess.run(step.split(), cwd=tmp_path, check=True, capture_output=True)
+    cfg = small(2, 1, "fedavg")
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    run_experiment(cfg, tmp_path / "inprocess", log=lambda s: None)
+    tls = (tmp_path / "ca.crt", tmp_path / "server.pem", tmp_path / "server.key")
+    with Loopback(2, tmp_path / "flwr", tls=tls) as dep:
+        run_id = dep.submit(config=tmp_path / "cfg.yaml", out=tmp_path / "tls")
+        assert "completed" in dep.wait(run_id, 600), dep.log_of(run_id)[-2000:]
+    assert "insecure" not in (tmp_path / "flwr" / "config.toml").read_text()
+    assert_same_metrics(tmp_path / "tls", tmp_path / "inprocess", ["fedavg"])
