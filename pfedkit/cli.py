@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print("datasets:  ", ", ".join(DATASETS))
             print("partitions:", ", ".join(SCHEMES))
             print("models:    ", ", ".join(MODELS))
+            print("runtimes:  ", "inprocess, flower (Flower's simulation), loopback (a Flower deployment on 127.0.0.1)")
     except PfedkitError as exc:
         print(f"pfedkit: error: {exc}", file=sys.stderr)
         return 2
