@@ -209,6 +209,26 @@ def test_an_update_with_a_missing_or_non_numeric_metric_is_refused(update, needl
     assert "client 4" in str(err.value) and "round 7" in str(err.value)
 
 
+SHAPES = {"weights": (3,)}
+
+
+@pytest.mark.parametrize("update, needle", [
+    ({"weights": torch.zeros(2), "num_samples": 3, "train_loss": 0.5}, r"'weights' of shape \(2,\), expected \(3,\)"),
+    ({"not_weights": torch.zeros(3), "num_samples": 3, "train_loss": 0.5}, "unexpected tensor 'not_weights'"),
+    ({"num_samples": 3, "train_loss": 0.5}, "sent no 'weights'"),
+    ({"weights": torch.zeros(3, dtype=torch.long), "num_samples": 3, "train_loss": 0.5}, "expected floats"),
+    ({"weights": torch.zeros(3), "num_samples": 3}, "sent no 'train_loss'"),
+    ({"weights": torch.zeros(3), "num_samples": 3, "train_loss": 0.5, "extra": 1.0}, "unexpected number 'extra'"),
+])
+def test_a_reply_that_is_not_the_declared_update_is_refused(update, needle):
+    """What a remote client may get wrong: the algorithm declares its update's tensors and shapes
+    (`update_shapes`); anything else is refused with one line naming the client, the round and the key."""
+    with pytest.raises(UpdateError, match=needle) as err:
+        check_update(update, cid=2, rnd=5, shapes=SHAPES)
+    assert "client 2" in str(err.value) and "round 5" in str(err.value) and "\n" not in str(err.value)
+    check_update({"weights": torch.zeros(3), "num_samples": 3, "train_loss": 0.5}, cid=2, rnd=5, shapes=SHAPES)
+
+
 # ---- Per-FedAvg's small clients train on what they have ----------------------------------------------------------
 
 def perfedavg_by_hand(theta0, x, y, batches, alpha, beta):
