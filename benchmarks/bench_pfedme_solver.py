@@ -32,9 +32,9 @@ def setup(model: str, clients: int):
     return cfg, data, fm, ALGORITHMS["pfedme"](cfg.params("pfedme"), fm, data.num_clients, cfg.seed)
 
 
-def cohort(cfg, data, fm):
+def cohort(cfg, data, fm, lockstep=None):
     cids = list(range(data.num_clients))
-    return Cohort(cids, 1, data, fm, cfg.local, [seeded_generator(cfg.seed, 1, c) for c in cids])
+    return Cohort(cids, 1, data, fm, cfg.local, [seeded_generator(cfg.seed, 1, c) for c in cids], lockstep)
 
 
 def bare_loop(cfg, data) -> float:
@@ -84,7 +84,7 @@ def main() -> None:
         for _ in range(args.repeats):
             best["bare"] = min(best["bare"], bare_loop(cfg, data))
             t0 = time.perf_counter()
-            loop, _ = Algorithm.client_update(algo, payloads, cstates, cohort(cfg, data, fm))
+            loop, _ = algo.client_update(payloads, cstates, cohort(cfg, data, fm, lockstep=False))  # one by one
             best["loop"] = min(best["loop"], time.perf_counter() - t0)
             t0 = time.perf_counter()
             lock, _ = algo.client_update(payloads, cstates, cohort(cfg, data, fm))
