@@ -1,4 +1,4 @@
-"""`pfedkit run | plot | list`: parse, build, call."""
+"""`pfedkit run | plot | list | reproduce`: parse, build, call."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,18 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--client", type=int, default=0, help="pFedLA: the target client of the per-layer and "
                       "over-training weight figures (default 0)")
     sub.add_parser("list", help="list algorithms, datasets, partition schemes and models")
+    rep = sub.add_parser("reproduce", help="run a table or figure of the papers and write it with the papers' "
+                         "numbers beside ours")
+    rep.add_argument("target", choices=("table1", "table2", "table3", "fig6", "pfedcs-synthetic", "pfedcs-mnist"))
+    rep.add_argument("--dataset", help="one dataset column group of the table (default: all of them; EMNIST and "
+                     "CIFAR are read from dataset.root)")
+    rep.add_argument("--scale", choices=("reduced", "full"), default="reduced", help="reduced: minutes per column "
+                     "on 2 CPU cores (configs/*_reduced.yaml); full: the paper's protocol")
+    rep.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key in every column, e.g. --set dataset.root=/data (repeatable)")
+    rep.add_argument("--out", type=Path, required=True, help="output folder (run again with the same --out to "
+                     "resume an interrupted reproduction)")
     return p
 
 
@@ -125,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             if not paths:
                 raise PfedkitError(f"{d} holds no metrics.jsonl (not a pfedkit run folder)")
             print("\n".join(map(str, paths)))
+        elif args.command == "reproduce":
+            from .reproduce import reproduce
+            out = args.out
+            reproduce(args.target, args.out, dataset=args.dataset, scale=args.scale, seeds=args.seeds,
+                      extra=args.overrides)
         elif args.command == "list":
             from .algorithms import ALGORITHMS
             from .config import DATASETS, MODELS, SCHEMES

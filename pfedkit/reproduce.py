@@ -1,0 +1,343 @@
+"""`pfedkit reproduce`: the papers' tables and figures, every method on the same partitions and sampling streams,
+our mean ± sample std over seeds next to the paper's number in each cell.
+
+Each column of a table is one preset of `configs/` (`<name>_reduced.yaml` for `--scale reduced`, sized for 2 CPU
+cores; `<name>.yaml` the paper's protocol) run with the table's methods and seeds into `<out>/<column>/` (an
+interrupted reproduction resumes where it stopped when run again with the same --out). The table is then written
+from the runs' summary.json files: `<out>/<target>.md` and `<out>/<target>.png`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .config import load_config
+from .errors import FAILED_FILE, ConfigError, UpdateError
+from .experiment import is_run_folder, resume_experiment, run_experiment
+from .report import papers
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the presets, in the source checkout
+PFEDLA_METHODS = ("local", "fedavg", "perfedavg", "pfedme", "pfedhn", "fedbn", "fedrep", "fedfomo", "pfedla",
+                  "heurpfedla")
+PFEDCS_METHODS = ("fedavg", "perfedavg", "fedprox", "fedtc", "pfedme", "pfedcs")
+LABELS = {"emnist": "EMNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10", "cifar100": "CIFAR100", "mnist": "MNIST",
+          "synthetic": "Synthetic", "mlr": "MLR", "dnn": "DNN"}
+
+
+@dataclass(frozen=True)
+class Column:
+    key: tuple  # how the paper's numbers are keyed, e.g. ("fmnist", 10) or ("synthetic", "mlr")
+    preset: str  # path under configs/ without the _reduced/.yaml suffix
+
+    @property
+    def label(self) -> str:
+        return " ".join(LABELS.get(str(k), str(k)) for k in self.key)
+
+    @property
+    def folder(self) -> str:
+        return "_".join(str(k) for k in self.key)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    datasets: tuple[str, ...]
+    columns: Callable[[str], list[Column]]
+    methods: tuple[str, ...] | None  # None: the preset's own list (Table 3's k sweep, Fig. 6)
+    what: str  # the note under the table: the metric and its source
+
+
+TARGETS = {t.name: t for t in (
+    Target("table1", ("emnist", "fmnist", "cifar10", "cifar100"),
+           lambda d: [Column((d, n), f"pfedla/table1_{d}_{n}clients") for n in (10, 100)], PFEDLA_METHODS,
+           "pFedLA paper, Table 1 (non-IID 1: 4 classes per client, 12 for CIFAR-100). Metric: personalized test "
+           "accuracy %, unweighted mean over clients at the final round, as the paper reports."),
+    Target("table2", ("emnist", "fmnist", "cifar10", "cifar100"),
+           lambda d: [Column((d, n), f"pfedla/table2_{d}_{n}clients") for n in (10, 100)], PFEDLA_METHODS,
+           "pFedLA paper, Table 2 (non-IID 2: all classes, two (six) dominant). Metric: personalized test accuracy "
+           "%, unweighted mean over clients at the final round, as the paper reports."),
+    Target("table3", ("emnist", "fmnist", "cifar10"), lambda d: [Column((d, "k"), f"pfedla/table3_{d}_k")], None,
+           "pFedLA paper, Table 3 (10 clients, all every round): HeurpFedLA's k retained layers against personalized "
+           "accuracy (mean over clients) and communication. Ours: MB down / MB up+down over all rounds."),
+    Target("fig6", ("fmnist",), lambda d: [Column((d, "chain"), f"pfedla/fig6_chain_{d}")], None,
+           "pFedLA paper, Fig. 6 (8 clients in a chain, client i shares 3 of its 4 classes with client i+1): the "
+           "paper shows the self-weight largest and the neighbours next (no numbers). Ours: pFedLA's final weights "
+           "alpha_i[j] of one layer, averaged over target clients by group."),
+    Target("pfedcs-synthetic", ("synthetic",), lambda d: [Column((d, m), f"pfedcs/{d}_{m}") for m in ("mlr", "dnn")],
+           PFEDCS_METHODS,
+           "pFedCS paper (Synthetic(0.4, 0.6), 100 clients, 5 per round). Metrics pooled over all clients' test "
+           "samples, as the pFedCS and pFedMe papers report: GM = the global model, PM = the personalized models. "
+           "The paper gives only pFedCS's gain over each baseline (points): ours is pFedCS − method."),
+    Target("pfedcs-mnist", ("mnist",), lambda d: [Column((d, m), f"pfedcs/{d}_{m}") for m in ("mlr", "dnn")],
+           PFEDCS_METHODS,
+           "pFedCS paper (MNIST, 100 clients with 2 labels each, 5 per round). Metrics pooled over all clients' test "
+           "samples, as the pFedCS and pFedMe papers report: GM = the global model, PM = the personalized models. "
+           "The paper gives only pFedCS's gain over each baseline (points): ours is pFedCS − method."),
+)}
+
+
+def columns_of(target: Target, dataset: str | None) -> list[Column]:
+    if dataset is not None and dataset not in target.datasets:
+        raise ConfigError(f"pfedkit reproduce {target.name}: no dataset {dataset!r}; allowed: "
+                          f"{', '.join(target.datasets)}")
+    return [c for d in ([dataset] if dataset else target.datasets) for c in target.columns(d)]
+
+
+def preset_path(column: Column, scale: str) -> Path:
+    path = CONFIGS / f"{column.preset}{'_reduced' if scale == 'reduced' else ''}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"pfedkit reproduce: the preset {path} is missing (the presets live in the source "
+                          "checkout's configs/ folder: run from a clone of pfedkit)")
+    return path
+
+
+def column_config(target: Target, column: Column, scale: str, seeds: str, extra: list[str]):
+    cfg = load_config(preset_path(column, scale), [f"seeds={seeds}", *extra], None)
+    if target.methods is None:
+        return cfg
+    methods = [m for m in target.methods if m != "fedbn" or _has_batchnorm(cfg)]  # the paper's "–" cells
+    return load_config(preset_path(column, scale), [f"seeds={seeds}", *extra], ",".join(methods))
+
+
+def _has_batchnorm(cfg) -> bool:
+    return cfg.model.name.endswith("_bn")
+
+
+def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale: str = "reduced",
+              seeds: str = "0,1,2", extra: list[str] | None = None, log: Callable[[str], None] = print) -> Path:
+    """Run (or resume) every column of a table, then write its markdown table and figure; returns the table."""
+    target = TARGETS[target_name]
+    out = Path(out)
+    columns = columns_of(target, dataset)
+    configs = [column_config(target, c, scale, seeds, extra or []) for c in columns]  # refuse bad input first
+    for column, cfg in zip(columns, configs):
+        folder = out / column.folder
+        log(f"== {target.name} {column.label}: {preset_path(column, scale).name} → {folder}")
+        try:
+            if is_run_folder(folder):
+                resume_experiment(folder, log=log)
+            else:
+                run_experiment(cfg, folder, log=log)
+        except UpdateError as exc:  # a diverged run is a failed cell; the other methods' cells still count
+            log(f"{column.label}: {exc}")
+    results = {c: collect(out / c.folder, cfg) for c, cfg in zip(columns, configs)}
+    text = TABLES[target.name](target, results, out, scale, seeds)
+    path = out / f"{target.name}.md"
+    path.write_text(text)
+    figure(target, results, out, out / f"{target.name}.png")
+    log(text)
+    log(f"wrote {path}")
+    return path
+
+
+def collect(folder: Path, cfg) -> dict[str, list[dict | None]]:
+    """Each method's summary per seed (None where the run failed or is missing)."""
+    seeds = cfg.seed_list()
+    dirs = [folder / f"seed{s}" for s in seeds] if seeds else [folder]
+    out = {}
+    for name in cfg.algorithms():
+        out[name] = [json.loads((d / name / "summary.json").read_text()) if (d / name / "summary.json").is_file()
+                     else None for d in dirs]
+    return out
+
+
+def mean_std(values: list[float | None], scale: float = 100.0) -> tuple[float, float, int] | None:
+    vals = [v * scale for v in values if v is not None]
+    if not vals:
+        return None
+    return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, len(vals)
+
+
+def fmt(stat: tuple[float, float, int] | None) -> str:
+    if stat is None:
+        return "failed"
+    mean, std, n = stat
+    return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
+
+
+def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
+    lines = ["", f"Per seed ({key}):", "", "| column | method | " + " | ".join(f"seed {i}" for i in range(
+        max(len(v) for r in results.values() for v in r.values()))) + " |", "|---|---|" + "---|" * max(
+        len(v) for r in results.values() for v in r.values())]
+    for column, res in results.items():
+        for name, runs in res.items():
+            cells = ["failed" if r is None or r.get(key) is None else f"{r[key] * scale:.2f}" for r in runs]
+            lines.append(f"| {column.label} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _header(target: Target, scale: str, seeds: str) -> list[str]:
+    return [f"# pfedkit reproduce {target.name} (--scale {scale}, seeds {seeds})", "",
+            f"Command: `pfedkit reproduce {target.name} --scale {scale} --seeds {seeds}`; presets: configs/ "
+            f"({'*_reduced.yaml: fewer rounds and samples than the paper, for 2 CPU cores' if scale == 'reduced' else 'the paper protocol'}).",
+            ""]
+
+
+def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
+    table = papers.TABLE1 if target.name == "table1" else papers.TABLE2
+    cols = list(results)
+    lines = _header(target, scale, seeds)
+    lines.append("| method | " + " | ".join(f"{c.label}: ours | paper" for c in cols) + " |")
+    lines.append("|---|" + "---|---|" * len(cols))
+    methods = list(dict.fromkeys(m for r in results.values() for m in r))
+    for name in methods:
+        cells = []
+        for c in cols:
+            runs = results[c].get(name)
+            ours = "–" if runs is None else fmt(mean_std([r and r["personalized_acc"] for r in runs]))
+            cells += [ours, table.get(name, {}).get(c.key, "–")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", target.what, "Ours: mean ± sample std (n − 1) over seeds; each seed draws its own partition, "
+              "initialization and client sampling, the same for every method. –: no entry (FedBN: the model has no "
+              "BatchNorm, as in the paper; Table 1's FedAvg row is not legible in the paper)."]
+    return "\n".join(lines + _per_seed(results, "personalized_acc")) + "\n"
+
+
+def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
+    lines = _header(target, scale, seeds)
+    lines += ["| dataset | method | accuracy %: ours | paper | MB down: ours | MB up+down: ours | MB: paper |",
+              "|---|---|---|---|---|---|---|"]
+    for c, res in results.items():
+        for name, runs in res.items():
+            k = 0 if name == "pfedla" else int(name.split("k=")[1]) if "k=" in name else 1
+            paper = papers.TABLE3.get((c.key[0], k))
+            done = [r for r in runs if r is not None]
+            down = f"{np.mean([r['mb_down_total'] for r in done]):.2f}" if done else "failed"
+            both = f"{np.mean([r['mb_down_total'] + r['mb_up_total'] for r in done]):.2f}" if done else "failed"
+            lines.append(f"| {c.label.split()[0]} | {name} (k={k}) | {fmt(mean_std([r and r['personalized_acc'] for r in runs]))} "
+                         f"| {paper[0] if paper else '–'} | {down} | {both} | {paper[1] if paper else '–'} |")
+    lines += ["", target.what, "The paper's MB are for its own model and rounds; compare the trend over k, not "
+              "the values."]
+    return "\n".join(lines + _per_seed(results, "personalized_acc")) + "\n"
+
+
+def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
+    lines = _header(target, scale, seeds)
+    for c, res in results.items():
+        gains = papers.PFEDCS_GAINS.get(c.key, {})
+        ours_cs = res.get("pfedcs") or []
+        lines += [f"## {c.label}", "",
+                  "| method | GM %: ours | PM %: ours | GM gain of pFedCS: ours | paper | PM gain of pFedCS: ours | paper |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, runs in res.items():
+            gm = mean_std([r and r["global_acc_weighted"] for r in runs])
+            pm = mean_std([r and r["personalized_acc_weighted"] for r in runs])
+            g_gain = _gain(ours_cs, runs, "global_acc_weighted")
+            p_gain = _gain(ours_cs, runs, "personalized_acc_weighted")
+            paper = gains.get(name, (None, None))
+            lines.append(f"| {name} | {fmt(gm)} | {fmt(pm)} | {g_gain} | {_signed(paper[0])} | {p_gain} "
+                         f"| {_signed(paper[1])} |")
+        lines.append("")
+    lines += [target.what, "Gains: per seed, pFedCS's value minus the method's on the same partition and sampling "
+              "stream, mean ± sample std over seeds. The paper reports PM gains only against the methods with a "
+              "personalized model (Per-FedAvg, FedTC)."]
+    return "\n".join(lines + _per_seed(results, "global_acc_weighted") + _per_seed(results, "personalized_acc_weighted")) + "\n"
+
+
+def _gain(reference: list, runs: list, key: str) -> str:
+    diffs = [100 * (a[key] - b[key]) for a, b in zip(reference, runs)
+             if a is not None and b is not None and a.get(key) is not None and b.get(key) is not None]
+    if not diffs:
+        return "–"
+    return f"{np.mean(diffs):+.2f} ± {np.std(diffs, ddof=1):.2f}" if len(diffs) > 1 else f"{diffs[0]:+.2f}"
+
+
+def _signed(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.2f}"
+
+
+def fig6_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
+    lines = _header(target, scale, seeds)
+    lines += ["| column | seed | layer | self | same labels | similar (all but one label) | others |",
+              "|---|---|---|---|---|---|---|"]
+    for c in results:
+        for run_dir in fig6_runs(out / c.folder):
+            row = alpha_groups(run_dir)
+            if row is None:
+                continue
+            layer, means = row
+            lines.append(f"| {c.label} | {run_dir.parent.name} | {layer} | " + " | ".join(
+                "–" if v is None else f"{v:.3f}" for v in means) + " |")
+    lines += ["", target.what, "Figure: the heatmap of the first seed's weights."]
+    return "\n".join(lines) + "\n"
+
+
+def alpha_groups(run_dir: Path) -> tuple[str, list[float | None]] | None:
+    """pFedLA's final weights on one layer (fc1 where it exists), averaged over the target clients by group."""
+    from .report.plots import _alpha_series, client_groups
+    if not (run_dir / "alpha.npz").is_file():
+        return None
+    layers = json.loads((run_dir / "algorithm.json").read_text())["alpha_layers"]
+    layer = "fc1" if "fc1" in layers else layers[0]
+    final = _alpha_series(run_dir)[1][-1][:, layers.index(layer), :]
+    label_sets = json.loads((run_dir / "partition.json").read_text())["label_sets"]
+    sums = {k: [] for k in ("self", "same labels", "similar (all but one label)", "others")}
+    for i in range(final.shape[0]):
+        sums["self"].append(final[i, i])
+        for group, members in client_groups(label_sets, i).items():
+            if members:
+                sums[group].append(final[i, members].mean())
+    return layer, [float(np.mean(v)) if v else None for v in sums.values()]
+
+
+def fig6_runs(folder: Path) -> list[Path]:
+    return sorted(folder.glob("seed*/pfedla")) or [folder / "pfedla"]
+
+
+def _paper_value(cell: str | None) -> float | None:
+    return float(cell.split("±")[0]) if cell else None
+
+
+def figure(target: Target, results: dict, out: Path, path: Path) -> Path | None:
+    """Ours (mean ± std over seeds) beside the paper's numbers, one panel per column."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if target.name == "fig6":
+        from .report.plots import plot_alpha
+        runs = [r for c in results for r in fig6_runs(out / c.folder) if (r / "alpha.npz").is_file()]
+        if not runs:
+            return None
+        heatmap = plot_alpha(runs[0])[0]
+        path.write_bytes(heatmap.read_bytes())
+        return path
+    cols = list(results)
+    fig, axes = plt.subplots(1, len(cols), figsize=(1.2 + 0.75 * max(len(r) for r in results.values()) * len(cols)
+                                                     + 1.5, 4.2), squeeze=False)
+    for ax, c in zip(axes[0], cols):
+        names = list(results[c])
+        key = "global_acc_weighted" if target.name.startswith("pfedcs") else "personalized_acc"
+        stats = [mean_std([r and r[key] for r in results[c][n]]) for n in names]
+        x = np.arange(len(names))
+        ax.bar(x, [s[0] if s else 0 for s in stats], yerr=[s[1] if s else 0 for s in stats], color="tab:blue",
+               alpha=0.8, label="ours (GM)" if target.name.startswith("pfedcs") else "ours")
+        if target.name.startswith("pfedcs"):
+            pm = [mean_std([r and r["personalized_acc_weighted"] for r in results[c][n]]) for n in names]
+            ax.scatter(x, [s[0] if s else np.nan for s in pm], color="tab:orange", zorder=3, label="ours (PM)")
+        elif target.name in ("table1", "table2"):
+            table = papers.TABLE1 if target.name == "table1" else papers.TABLE2
+            paper = [_paper_value(table.get(n, {}).get(c.key)) for n in names]
+            ax.scatter(x, [np.nan if v is None else v for v in paper], color="black", marker="D", zorder=3,
+                       label="paper")
+        else:  # table3
+            paper = [papers.TABLE3.get((c.key[0], 0 if n == "pfedla" else int(n.split("k=")[1]) if "k=" in n else 1))
+                     for n in names]
+            ax.scatter(x, [np.nan if v is None else v[0] for v in paper], color="black", marker="D", zorder=3,
+                       label="paper")
+        ax.set_xticks(x, names, rotation=60, ha="right", fontsize=8)
+        low = min([s[0] - s[1] for s in stats if s] or [0])
+        ax.set(title=c.label, ylabel="accuracy %", ylim=(max(0, low - 10), 100))
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+TABLES = {"table1": accuracy_table, "table2": accuracy_table, "table3": table3_table, "fig6": fig6_table,
+          "pfedcs-synthetic": pfedcs_table, "pfedcs-mnist": pfedcs_table}
