@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from .config import load_config
-from .errors import FAILED_FILE, ConfigError, UpdateError
+from .errors import ConfigError, UpdateError
 from .experiment import is_run_folder, resume_experiment, run_experiment
 from .report import papers
 
@@ -170,10 +170,14 @@ def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
     return lines
 
 
+SCALES = {"reduced": "*_reduced.yaml: fewer rounds and samples than the paper, for 2 CPU cores",
+          "full": "the paper's protocol"}
+
+
 def _header(target: Target, scale: str, seeds: str) -> list[str]:
     return [f"# pfedkit reproduce {target.name} (--scale {scale}, seeds {seeds})", "",
             f"Command: `pfedkit reproduce {target.name} --scale {scale} --seeds {seeds}`; presets: configs/ "
-            f"({'*_reduced.yaml: fewer rounds and samples than the paper, for 2 CPU cores' if scale == 'reduced' else 'the paper protocol'}).",
+            f"({SCALES[scale]}).",
             ""]
 
 
@@ -208,7 +212,8 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
             done = [r for r in runs if r is not None]
             down = f"{np.mean([r['mb_down_total'] for r in done]):.2f}" if done else "failed"
             both = f"{np.mean([r['mb_down_total'] + r['mb_up_total'] for r in done]):.2f}" if done else "failed"
-            lines.append(f"| {c.label.split()[0]} | {name} (k={k}) | {fmt(mean_std([r and r['personalized_acc'] for r in runs]))} "
+            acc = fmt(mean_std([r and r['personalized_acc'] for r in runs]))
+            lines.append(f"| {c.label.split()[0]} | {name} (k={k}) | {acc} "
                          f"| {paper[0] if paper else '–'} | {down} | {both} | {paper[1] if paper else '–'} |")
     lines += ["", target.what, "The paper's MB are for its own model and rounds; compare the trend over k, not "
               "the values."]
@@ -221,7 +226,8 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
         gains = papers.PFEDCS_GAINS.get(c.key, {})
         ours_cs = res.get("pfedcs") or []
         lines += [f"## {c.label}", "",
-                  "| method | GM %: ours | PM %: ours | GM gain of pFedCS: ours | paper | PM gain of pFedCS: ours | paper |",
+                  "| method | GM %: ours | PM %: ours | GM gain of pFedCS: ours | paper | PM gain of pFedCS: ours "
+                  "| paper |",
                   "|---|---|---|---|---|---|---|"]
         for name, runs in res.items():
             gm = mean_std([r and r["global_acc_weighted"] for r in runs])
@@ -235,7 +241,8 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
     lines += [target.what, "Gains: per seed, pFedCS's value minus the method's on the same partition and sampling "
               "stream, mean ± sample std over seeds. The paper reports PM gains only against the methods with a "
               "personalized model (Per-FedAvg, FedTC)."]
-    return "\n".join(lines + _per_seed(results, "global_acc_weighted") + _per_seed(results, "personalized_acc_weighted")) + "\n"
+    lines += _per_seed(results, "global_acc_weighted") + _per_seed(results, "personalized_acc_weighted")
+    return "\n".join(lines) + "\n"
 
 
 def _gain(reference: list, runs: list, key: str) -> str:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .config import LocalConfig
 from .data import ClientData, FederatedData
+from .errors import DataError
 from .models import FlatModel
 
 
@@ -53,11 +54,19 @@ class Objective:
     prox_anchor: torch.Tensor | None = None  # the anchor vector(s), (D,) or (C, D); only the parameter part is read
     prox_mu: float = 0.0
     trainable: torch.Tensor | None = None  # (P,) or (C, P)
+    # > 0: the loss gradient is clipped to this total L2 norm before weight decay, prox and momentum, as
+    # torch.nn.utils.clip_grad_norm_ does (pFedHN's inner loop); 0: off
+    clip_norm: float = 0.0
 
     def row(self, i: int) -> "Objective":
         """Client i's part of a cohort's objective."""
         pick = lambda t: t[i] if t is not None and t.dim() == 2 else t  # noqa: E731
-        return Objective(pick(self.prox_anchor), self.prox_mu, pick(self.trainable))
+        return Objective(pick(self.prox_anchor), self.prox_mu, pick(self.trainable), self.clip_norm)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 PLAIN = Objective()
@@ -78,6 +87,8 @@ def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generato
         grad.zero_()
         loss = F.cross_entropy(module(data.x_train[idx]), data.y_train[idx])
         loss.backward()
+        if objective.clip_norm > 0:
+            grad.mul_(clip_coefficient(grad.norm(), objective.clip_norm))
         if hp.weight_decay > 0:
             grad.add_(params, alpha=hp.weight_decay)
         if anchor is not None and objective.prox_mu > 0:
@@ -177,6 +188,8 @@ def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_
     steps = torch.zeros(len(params), device=params.device)
     for t in range(idx.shape[0]):
         grads, losses = loss(params, x_all[idx[t]], y_all[idx[t]], mask[t])
+        if objective.clip_norm > 0:  # each client's own norm
+            grads = grads * clip_coefficient(grads.norm(dim=1, keepdim=True), objective.clip_norm)
         if hp.weight_decay > 0:
             grads = grads + hp.weight_decay * params
         if objective.prox_anchor is not None and objective.prox_mu > 0:
@@ -219,6 +232,28 @@ class Cohort:
 
     def client(self, i: int) -> ClientData:
         return self.data.client(self.cids[i])
+
+    def holdout(self, fraction: float) -> tuple["Cohort", list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every client's train split cut in two: a validation part, every round(1/fraction)-th sample in stored
+        order starting with the first, and the rest to fit on. It depends only on the client's own data, so it is
+        the same in every round and on every runtime (a Flower ClientApp included), and it is stratified where a
+        client's samples are stored by label. Returns (a cohort of the same clients, generators and schedule that
+        trains on the fit parts only, [(x_val, y_val)] per client)."""
+        stride = max(1, round(1 / fraction))
+        fit_rows, val = [], []
+        for i in range(len(self.cids)):
+            client = self.client(i)
+            rows = torch.arange(client.num_train, device=client.y_train.device)
+            is_val = rows % stride == 0
+            if is_val.all():  # also a client without any sample
+                raise DataError(f"client at data position {self.cids[i]} has {client.num_train} training sample(s): "
+                                f"too few to hold out a validation fraction of {fraction} and keep one to fit on; "
+                                "give every client at least 2 (partition.samples_per_client) or lower the fraction")
+            val.append((client.x_train[is_val], client.y_train[is_val]))
+            fit_rows.append(rows[~is_val])
+        fit = Cohort(list(range(len(self.cids))), self.round, self.data.train_rows(self.cids, fit_rows), self.model,
+                     self.hp, self.gens, self.force)
+        return fit, val
 
     @property
     def batchable(self) -> bool:

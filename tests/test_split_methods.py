@@ -166,7 +166,8 @@ def test_fedtc_local_rule_is_the_two_classifier_loss_and_keeps_the_personal_clas
         batches = list(batch_indices(int(data.train_sizes[c]), cfg.local, seeded_generator(cfg.seed, 1, c),
                                      torch.device("cpu")))
         d = data.client(c)
-        want_personal, want_shared = reference_fedtc(ref_p, ref_g, head_name, d.x_train, d.y_train, batches, cfg.local.lr, 0.5)
+        want_personal, want_shared = reference_fedtc(ref_p, ref_g, head_name, d.x_train, d.y_train, batches,
+                                                     cfg.local.lr, 0.5)
         assert torch.allclose(states[i]["weights"], want_personal, atol=1e-5)
         sent = torch.cat([updates[i][n] for n, _ in algo.split.shared])
         assert torch.allclose(sent, want_shared, atol=1e-5)

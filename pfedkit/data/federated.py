@@ -89,6 +89,22 @@ class FederatedData:
         view.label_sets = [self.label_sets[c] for c in cids]
         return view
 
+    def train_rows(self, cids: list[int], rows: list[torch.Tensor]) -> "FederatedData":
+        """These clients alone, each with only the given rows (indices into its own train split) and no test split:
+        e.g. the part a client fits on when it holds out the rest for validation (`Cohort.holdout`)."""
+        view = copy.copy(self)
+        index = torch.cat([r.to(device=self.device, dtype=torch.long) + int(self.train_offsets[c])
+                           for c, r in zip(cids, rows)])
+        view.x_train, view.y_train = self.x_train[index], self.y_train[index]
+        view.train_offsets = np.r_[0, np.cumsum([len(r) for r in rows])].astype(np.int64)
+        view.train_counts = np.stack([np.bincount(view.y_train[a:b].cpu().numpy(), minlength=self.num_classes)
+                                      for a, b in zip(view.train_offsets[:-1], view.train_offsets[1:])])
+        view.x_test, view.y_test = self.x_test[:0], self.y_test[:0]
+        view.test_offsets = np.zeros(len(cids) + 1, dtype=np.int64)
+        view.test_counts = np.zeros((len(cids), self.num_classes), dtype=self.test_counts.dtype)
+        view.label_sets = [self.label_sets[c] for c in cids]
+        return view
+
     def majority_label_accuracy(self) -> np.ndarray:
         """Per client: test accuracy of always predicting its most frequent training label (specs §3.8)."""
         majority = self.train_counts.argmax(axis=1)
