@@ -17,7 +17,7 @@ import numpy as np
 
 from .config import load_config
 from .errors import ConfigError, UpdateError
-from .experiment import is_run_folder, resume_experiment, run_experiment
+from .experiment import is_run_folder, prepare, resume_experiment, run_experiment
 from .report import papers
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the presets, in the source checkout
@@ -114,6 +114,8 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale:
     out = Path(out)
     columns = columns_of(target, dataset)
     configs = [column_config(target, c, scale, seeds, extra or []) for c in columns]  # refuse bad input first
+    for cfg in configs:  # and missing data (EMNIST, CIFAR: where to put the files), before hours of other columns
+        prepare(cfg.with_seed(cfg.seed_list()[0]) if cfg.seed_list() else cfg)
     for column, cfg in zip(columns, configs):
         folder = out / column.folder
         log(f"== {target.name} {column.label}: {preset_path(column, scale).name} → {folder}")

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="pip install -e '.[flower]'")
 
+from pfedkit.algorithms import ALGORITHMS  # noqa: E402
 from pfedkit.cli import main  # noqa: E402
 from pfedkit.config import dump_config, load_config  # noqa: E402
 from pfedkit.engine import TIMING_KEYS  # noqa: E402
@@ -49,17 +50,18 @@ def assert_same_metrics(flower: Path, inprocess: Path, names: list[str]) -> None
         assert {p.name for p in (flower / name).iterdir()} == {p.name for p in (inprocess / name).iterdir()}, name
 
 
-SIX = "fedavg,pfedla,heurpfedla,pfedme,pfedcs,perfedavg"
+EVERY = ",".join(ALGORITHMS)  # every registered algorithm, the five baselines of issue 10 included
 
 
-def test_the_simulation_runtime_gives_the_in_process_metrics_for_six_algorithms(tmp_path):
+def test_the_simulation_runtime_gives_the_in_process_metrics_for_every_algorithm(tmp_path):
     """`pfedkit run --runtime flower`: Flower's simulation runtime, three virtual SuperNodes, two sampled a round."""
-    extra = ["partition.num_clients=3", "rounds=2", "clients_per_round=2"]
+    extra = ["partition.num_clients=3", "rounds=2", "clients_per_round=2", "fedrep.head_epochs=1",
+             "fedfomo.models=1", "pfedhn.inner_lr=0.005"]
     default_job = Path(main.__code__.co_filename).with_name("default.yaml")  # what `pfedkit run` reads
-    run_experiment(load_config(default_job, SMALL + extra, SIX), tmp_path / "inprocess", log=lambda s: None)
+    run_experiment(load_config(default_job, SMALL + extra, EVERY), tmp_path / "inprocess", log=lambda s: None)
     sets = [arg for item in SMALL + extra for arg in ("--set", item)]
-    assert main(["run", "--runtime", "flower", "--algorithms", SIX, "--out", str(tmp_path / "flower"), *sets]) == 0
-    assert_same_metrics(tmp_path / "flower", tmp_path / "inprocess", SIX.split(","))
+    assert main(["run", "--runtime", "flower", "--algorithms", EVERY, "--out", str(tmp_path / "flower"), *sets]) == 0
+    assert_same_metrics(tmp_path / "flower", tmp_path / "inprocess", EVERY.split(","))
     assert (tmp_path / "flower" / "comparison.md").is_file()
     stats = json.loads((tmp_path / "flower" / "flower.json").read_text())
     assert stats["messages"] > 0 and stats["serialized_array_bytes"] > stats["tensor_bytes"]  # .npy framing
