@@ -1,5 +1,6 @@
 """pFedLA / HeurpFedLA: the batched server against a plain per-client loop, the hypernetwork update on a toy,
-retained layers, bytes, BN statistics."""
+its optimizers (the reference plain SGD, the default per-client Adam) and their state across a resume, retained
+layers, bytes, BN statistics."""
 from __future__ import annotations
 
 import numpy as np
@@ -187,9 +188,10 @@ def test_granularities():
 
 # ---- the hypernetwork update on a quadratic toy (specs §1.6) ------------------------------------------------------
 
-def toy(delta_sign="old_minus_new", hn_lr=0.05):
+def toy(delta_sign="old_minus_new", hn_lr=0.05, hn_optimizer="sgd"):
     """6 clients of two groups; client i's loss is 0.5 ||theta - opt_i||^2 with one optimum per group."""
-    algo, state, fm = make_algo(PFedLA, model="mlr", shape=(1, 2, 2), hn_lr=hn_lr, delta_sign=delta_sign)
+    algo, state, fm = make_algo(PFedLA, model="mlr", shape=(1, 2, 2), hn_lr=hn_lr, delta_sign=delta_sign,
+                                hn_optimizer=hn_optimizer)
     gen = torch.Generator().manual_seed(3)
     optima = torch.randn(2, fm.size, generator=gen, dtype=torch.float64) * 3
     group = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -260,7 +262,7 @@ def test_sequential_round_serves_each_client_the_state_left_by_the_previous_one(
     with a plain loop over layers and clients (ReferenceHN), and the hypernetwork's SGD step by autograd."""
     base = ["dataset.name=digits", "model.name=mlr", f"partition.num_clients={N}", "partition.classes_per_client=3",
             "rounds=1", "clients_per_round=3", "progress=false", "plots=false", "checkpoint_every=0",
-            "pfedla.sequential=true", "pfedla.hn_lr=0.5"]
+            "pfedla.sequential=true", "pfedla.hn_optimizer=sgd", "pfedla.hn_lr=0.5"]
     cfg = load_config(None, base, "pfedla")
     run = Run(cfg.for_algorithm("pfedla"), prepare(cfg), tmp_path)
     algo = run.algo
@@ -458,3 +460,121 @@ def test_client_trains_its_payload_with_kept_layers_from_its_own_copy():
     assert torch.allclose(update["weights"], want, atol=1e-6) and torch.equal(cstate["weights"], update["weights"])
     assert update["num_samples"] == client.num_train
     assert update["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+# ---- the hypernetwork optimizer (docs/pfedla.md, "The default hypernetwork step") ------------------------------
+
+def test_reference_option_takes_the_plain_sgd_step():
+    """hn_optimizer: sgd (the reference code's, hn_lr 5e-3): each trained client's rows move by -hn_lr times the
+    gradient of its own hypernetwork (by autograd through the plain ReferenceHN); the other rows stay."""
+    lr = 5e-3
+    algo, state, opt, _ = toy(hn_lr=lr, hn_optimizer="sgd")
+    expected = {k: v.clone() for k, v in state["hn"].items()}
+    cids = [0, 4]
+    trained = {c: state["theta"][c] - 0.1 * (state["theta"][c] - opt[c]) for c in cids}
+    for c in cids:
+        _, _, _, grads = reference_round(algo, state, c, trained[c])
+        rows = as_rows({k: v[c][None] for k, v in expected.items()}, 0, 1)
+        for key, g in grads.items():
+            if g is not None:
+                rows[key] -= lr * g
+    state = algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, {}, 1)
+    assert not any(k.startswith("hn_adam") for k in state)
+    for key in HN_KEYS:
+        assert torch.allclose(state["hn"][key], expected[key], atol=1e-12), key
+
+
+def test_adam_is_the_default_and_each_client_counts_its_own_steps():
+    """hn_optimizer: adam (the default): per client m <- b1 m + (1 - b1) g, v <- b2 v + (1 - b2) g^2,
+    psi <- psi - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), t the client's own step count; at t = 1 the
+    step is lr g / (|g| + eps), i.e. lr sign(g). Round 1 trains clients 1, 2; round 2 clients 1, 4: client 1 takes
+    its second step (t = 2, with round 1's moments), client 4 its first."""
+    assert load_config(None, []).params("pfedla").hn_optimizer == "adam"
+    lr, (b1, b2), eps = 1e-3, (0.9, 0.999), 1e-8
+    algo, state, opt, _ = toy(hn_lr=lr, hn_optimizer="adam")
+    state = algo.init_server(state["theta"][0].clone()) | {"theta": state["theta"], "hn": state["hn"]}
+    assert set(state["hn_adam_m"]) == set(state["hn_adam_v"]) == set(HN_KEYS)
+    expected = {k: v.clone() for k, v in state["hn"].items()}
+    m = {k: torch.zeros_like(v) for k, v in expected.items()}
+    v2 = {k: torch.zeros_like(v) for k, v in expected.items()}
+    steps = [0] * N
+    for rnd, cids in enumerate(([1, 2], [1, 4])):
+        trained = {c: state["theta"][c] - 0.1 * (state["theta"][c] - opt[c]) for c in cids}
+        for c in cids:
+            _, _, _, grads = reference_round(algo, {"theta": state["theta"], "hn": expected}, c, trained[c])
+            steps[c] += 1
+            t = steps[c]
+            p_rows, m_rows, v_rows = (as_rows({k: x[c][None] for k, x in d.items()}, 0, 1) for d in (expected, m, v2))
+            for key, g in grads.items():
+                g = torch.zeros_like(p_rows[key]) if g is None else g
+                m_rows[key].mul_(b1).add_((1 - b1) * g)
+                v_rows[key].mul_(b2).add_((1 - b2) * g * g)
+                step = lr * (m_rows[key] / (1 - b1 ** t)) / ((v_rows[key] / (1 - b2 ** t)).sqrt() + eps)
+                if t == 1:  # the first step is lr sign(g) wherever |g| >> eps
+                    big = g.abs() > 1e-4
+                    assert torch.allclose(step[big], lr * g[big].sign(), rtol=1e-4)
+                p_rows[key].sub_(step)
+        state = algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, {}, rnd + 1)
+    assert state["hn_steps"].tolist() == [0, 2, 1, 0, 1, 0]
+    for key in HN_KEYS:
+        assert torch.allclose(state["hn"][key], expected[key], atol=1e-10, rtol=0), key
+        assert torch.allclose(state["hn_adam_m"][key], m[key], atol=1e-12), key
+        assert torch.allclose(state["hn_adam_v"][key], v2[key], atol=1e-14), key
+
+
+def first_alpha_change(n: int, optimizer: str, lr: float) -> float:
+    """Mean relative change |alpha' - alpha| / alpha of 4 trained clients' weights after one hypernetwork step,
+    with n clients of two optima (the toy's quadratic loss, half a gradient step of local training)."""
+    cfg = load_config(None, ["model.name=mlr", f"pfedla.hn_optimizer={optimizer}", f"pfedla.hn_lr={lr}"])
+    fm = FlatModel(build_model(cfg.model, (1, 2, 2), 10, 0).double())
+    algo = PFedLA(cfg.params("pfedla"), fm, n, 0)
+    state = algo.init_server(fm.state())
+    state["hn"] = {k: v.double() for k, v in state["hn"].items()}
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.randn(2, fm.size, generator=gen, dtype=torch.float64)[torch.arange(n) % 2]
+    state["theta"] = opt + 0.3 * torch.randn(n, fm.size, generator=gen, dtype=torch.float64)
+    cids = [0, 1, 2, 3]
+    before = algo._weights_of(state, cids)[1]
+    sent = algo.personalized(state, cids)
+    trained = sent - 0.5 * (sent - opt[cids])
+    state = algo.aggregate(state, {c: {"weights": trained[i]} for i, c in enumerate(cids)}, {}, 1)
+    return float(((algo._weights_of(state, cids)[1] - before).abs() / before).mean())
+
+
+def test_the_default_step_on_alpha_does_not_shrink_with_n():
+    """The normalization over N clients scales alpha's gradient by ~1/N^2, so plain SGD's relative step on alpha
+    falls ~12x from 10 to 300 clients; Adam's step does not depend on the gradient's scale (within 2.5x here)."""
+    sgd = [first_alpha_change(n, "sgd", 5e-3) for n in (10, 300)]
+    adam = [first_alpha_change(n, "adam", 1e-3) for n in (10, 300)]
+    assert sgd[0] / sgd[1] > 8
+    assert adam[0] / adam[1] < 2.5 and adam[1] > 3 * sgd[1]
+
+
+def test_momentum_is_for_sgd_only():
+    from pfedkit.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"pfedla\.hn_momentum.*hn_optimizer: sgd only"):
+        make_algo(PFedLA, hn_momentum=0.9)
+    make_algo(PFedLA, hn_momentum=0.9, hn_optimizer="sgd")
+
+
+@pytest.mark.parametrize("name", ["pfedla", "heurpfedla"])
+def test_resume_keeps_each_clients_adam_state(tmp_path, name):
+    """Interrupted after round 4 (last checkpoint at round 3) and resumed: the same metrics, hypernetworks, Adam
+    moments and per-client step counts as the uninterrupted run."""
+    from pfedkit.experiment import resume_experiment, run_experiment
+    cfg = load_config(None, ["dataset.name=digits", "model.name=dnn", "model.hidden=16", "partition.num_clients=6",
+                             "partition.classes_per_client=3", "rounds=7", "clients_per_round=3", "local.lr=0.1",
+                             "local.batch_size=16", "progress=false", "plots=false", "checkpoint_every=3",
+                             f"{name}.hn_lr=0.01"], name)
+    run_experiment(cfg, tmp_path / "full", log=lambda s: None)
+    run_experiment(cfg, tmp_path / "cut", log=lambda s: None, stop_after=4)
+    resume_experiment(tmp_path / "cut", log=lambda s: None)
+    rows = [(tmp_path / d / name / "metrics.jsonl").read_text().splitlines() for d in ("full", "cut")]
+    strip = lambda r: {k: v for k, v in __import__("json").loads(r).items() if not k.endswith("_s")}
+    assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
+    a, b = (torch.load(tmp_path / d / name / "checkpoint.pt", weights_only=False)["server"] for d in ("full", "cut"))
+    assert 0 < int(a["hn_steps"].min()) and int(a["hn_steps"].sum()) == 7 * 3  # every client stepped, own counts
+    for group in ("hn", "hn_adam_m", "hn_adam_v"):
+        for key in HN_KEYS:
+            assert torch.equal(a[group][key], b[group][key]), (group, key)
+    assert torch.equal(a["hn_steps"], b["hn_steps"]) and torch.equal(a["theta"], b["theta"])

@@ -5,13 +5,15 @@ The server keeps every client's latest vector (Theta, N x D) and one hypernetwor
 embedding v_i (dim 100) -> 3 x (Linear 100, ReLU) -> one head per layer with N outputs (weights U(0,1), bias 0)
 -> ReLU -> divided by the sum over clients (one-hot self if the sum is 0). Client i's personalized layer l is
 sum_j alpha_i[l, j] theta_j[l]: for all sampled clients at once, one matrix product per layer. After local SGD the
-sampled clients' hypernetworks take one SGD step on the vector-Jacobian product with
+sampled clients' hypernetworks take one optimizer step (Adam by default, plain SGD as in the reference code with
+`hn_optimizer: sgd`) on the vector-Jacobian product with
 delta = theta_sent - theta_trained (the pFedHN convention, descent on the client loss; specs §1.6 — the unofficial
 reference code uses new - old, an ascent: `delta_sign: new_minus_old` reproduces it). The gradient with respect
 to alpha_l is Delta_l Theta_l^T, so autograd only runs through the small hypernetworks, never the N x P mixture.
 
 The hypernetworks are stored stacked (a leading client axis); a round gathers the sampled clients' rows, runs
-them as one batch, and writes the updated rows back, so every client's optimizer state stays its own.
+them as one batch, and writes the updated rows back, so every client's optimizer state (momentum, or Adam's moments
+and step count) stays its own.
 
 HeurpFedLA (k > 0): per client, the k layers with the highest self-weight are kept local: not aggregated, not
 sent down (the client fills them from its own copy), and their heads get no gradient. BatchNorm running
@@ -31,14 +33,20 @@ from ..models import FlatModel
 from ..registry import register
 from ..train import Cohort
 from .base import Algorithm, Message, State, make_update
+from .split import fill
 
 HN_KEYS = ("emb", "w1", "b1", "w2", "b2", "w3", "b3", "head_w", "head_b")
 
 
 @dataclass
 class PFedLAParams:
-    hn_lr: float = at_least(0.0, 5e-3, open_low=True)
-    hn_momentum: float = at_least(0.0, 0.0, high=1.0)
+    # Adam per client by default: its step is invariant to the gradient's scale, which shrinks like 1/N^2 through the
+    # normalization over N clients, so one learning rate works at every N (0.3: chosen on validation splits at 10 to
+    # 1,000 clients). `hn_optimizer: sgd` with `hn_lr: 5e-3` is the reference code's plain SGD (docs/pfedla.md,
+    # "The default hypernetwork step").
+    hn_optimizer: str = choices("adam", "sgd", default="adam")
+    hn_lr: float = at_least(0.0, 0.3, open_low=True)
+    hn_momentum: float = at_least(0.0, 0.0, high=1.0)  # sgd only
     embedding_dim: int = at_least(1, 100)
     hidden_dim: int = at_least(1, 100)
     k: int = at_least(0, 0)  # HeurpFedLA: layers each client keeps local
@@ -83,6 +91,9 @@ class PFedLA(Algorithm):
             raise ConfigError(f"config key '{self.name}.k': {params.k} is more than the model's "
                               f"{len(self.groups)} layers; allowed: 0 to {len(self.groups)}")
         self.sequential = params.sequential
+        if params.hn_optimizer != "sgd" and params.hn_momentum > 0:
+            raise ConfigError(f"config key '{self.name}.hn_momentum': {params.hn_momentum} applies to "
+                              f"hn_optimizer: sgd only; allowed with {params.hn_optimizer}: 0")
 
     # -- hypernetworks -----------------------------------------------------------------------------------------
     def init_hypernetworks(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -141,6 +152,10 @@ class PFedLA(Algorithm):
         state = {"theta": init.repeat(self.num_clients, 1), "hn": self.init_hypernetworks(init)}
         if self.params.hn_momentum > 0:
             state["hn_velocity"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
+        if self.params.hn_optimizer == "adam":  # per client: its own moments and its own step count
+            state["hn_adam_m"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
+            state["hn_adam_v"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
+            state["hn_steps"] = torch.zeros(self.num_clients, dtype=init.dtype, device=init.device)
         return state
 
     def init_client(self, cid: int, init: torch.Tensor) -> State:
@@ -154,12 +169,9 @@ class PFedLA(Algorithm):
                 for r, cid in enumerate(cids)}
 
     def starts(self, payloads: list[Message], cstates: list[State]) -> torch.Tensor:
-        """Each client's own vector (kept layers, BN statistics) with the sent layers written in: (C, D)."""
-        starts = torch.stack([s["weights"] for s in cstates])
-        for i, payload in enumerate(payloads):
-            for name, values in payload.items():
-                starts[i, self.slices[name]] = values
-        return starts
+        """Each client's own vector (kept layers, BN statistics) with the sent layers written in: (C, D) (the
+        shared/personal mechanism of split.py, with a split that changes per client and round)."""
+        return torch.stack([fill(s["weights"], p, self.slices) for p, s in zip(payloads, cstates)])
 
     def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
         trained, losses = cohort.train(self.starts(payloads, cstates))
@@ -194,15 +206,36 @@ class PFedLA(Algorithm):
         grads = self.hn_gradients(state, cids, trained)
         idx = torch.as_tensor(cids, device=trained.device)
         with torch.no_grad():
-            for k, v in state["hn"].items():  # SGD per client: each row has its own (optional) momentum
-                step = grads[k]
-                if p.hn_momentum > 0:
-                    velocity = state["hn_velocity"][k]
-                    velocity[idx] = p.hn_momentum * velocity[idx] + step
-                    step = velocity[idx]
-                v[idx] -= p.hn_lr * step
+            if p.hn_optimizer == "adam":
+                self.adam_step(state, idx, grads)
+            else:
+                for k, v in state["hn"].items():  # SGD per client: each row has its own (optional) momentum
+                    step = grads[k]
+                    if p.hn_momentum > 0:
+                        velocity = state["hn_velocity"][k]
+                        velocity[idx] = p.hn_momentum * velocity[idx] + step
+                        step = velocity[idx]
+                    v[idx] -= p.hn_lr * step
             state["theta"][idx] = trained
         return state
+
+    ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
+
+    def adam_step(self, state: State, idx: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
+        """Adam on the given clients' rows (Kingma & Ba, bias-corrected), each client with its own moments and
+        step count: a client is stepped only when it trains, so its t counts its own rounds."""
+        (b1, b2), eps = self.ADAM_BETAS, self.ADAM_EPS
+        t = state["hn_steps"][idx] + 1
+        state["hn_steps"][idx] = t
+        for k, v in state["hn"].items():
+            g = grads[k]
+            shape = (-1,) + (1,) * (g.dim() - 1)  # t per client, broadcast over the row
+            m = b1 * state["hn_adam_m"][k][idx] + (1 - b1) * g
+            s2 = b2 * state["hn_adam_v"][k][idx] + (1 - b2) * g * g
+            state["hn_adam_m"][k][idx], state["hn_adam_v"][k][idx] = m, s2
+            m_hat = m / (1 - b1 ** t).view(shape)
+            s2_hat = s2 / (1 - b2 ** t).view(shape)
+            v[idx] -= self.params.hn_lr * m_hat / (s2_hat.sqrt() + eps)
 
     def personalized(self, state: State, cids: list[int]) -> torch.Tensor:
         """The vectors the given clients are evaluated with, as the server sees them: the mixed parameters over each
