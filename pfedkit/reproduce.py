@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import yaml
 
-from .config import load_config
+from .config import dump_config, load_config
 from .errors import ConfigError, UpdateError
 from .experiment import is_run_folder, prepare, resume_experiment, run_experiment
 from .report import papers
@@ -97,14 +98,34 @@ def preset_path(column: Column, scale: str) -> Path:
 
 def column_config(target: Target, column: Column, scale: str, seeds: str, extra: list[str]):
     cfg = load_config(preset_path(column, scale), [f"seeds={seeds}", *extra], None)
-    if target.methods is None:
-        return cfg
-    methods = [m for m in target.methods if m != "fedbn" or _has_batchnorm(cfg)]  # the paper's "–" cells
-    return load_config(preset_path(column, scale), [f"seeds={seeds}", *extra], ",".join(methods))
+    if target.methods is not None:  # FedBN only where the model has BatchNorm: the paper's "–" cells
+        cfg.algorithm = ",".join(m for m in target.methods if m != "fedbn" or cfg.model.name.endswith("_bn"))
+    return cfg
 
 
-def _has_batchnorm(cfg) -> bool:
-    return cfg.model.name.endswith("_bn")
+# keys that change how a run is shown or where it runs, not its protocol
+HOW_NOT_WHAT = {"progress", "plots", "threads", "device", "checkpoint_every"}
+
+
+def check_same_config(folder: Path, cfg) -> None:
+    """A folder is resumed with the config it was started with; a different preset, --seeds or --set would
+    silently be ignored (and the table would mix two protocols), so it is refused."""
+    changed = sorted(set(_differences(load_config(folder / "config.yaml"), cfg)) - HOW_NOT_WHAT)
+    if changed:
+        raise ConfigError(f"pfedkit reproduce: {folder} holds runs of another config ({', '.join(changed[:4])} "
+                          "differ); use another --out, or delete the folder to start it again")
+
+
+def _differences(a, b) -> list[str]:
+    flat_a, flat_b = _flatten(yaml.safe_load(dump_config(a))), _flatten(yaml.safe_load(dump_config(b)))
+    return [k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k)]
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale: str = "reduced",
@@ -121,6 +142,7 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale:
         log(f"== {target.name} {column.label}: {preset_path(column, scale).name} → {folder}")
         try:
             if is_run_folder(folder):
+                check_same_config(folder, cfg)
                 resume_experiment(folder, log=log)
             else:
                 run_experiment(cfg, folder, log=log)

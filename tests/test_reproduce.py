@@ -48,6 +48,10 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     stamp = (out / "fmnist_10" / "seed0" / "pfedla" / "summary.json").stat().st_mtime_ns
     assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(out), *sets(TINY)]) == 0
     assert (out / "fmnist_10" / "seed0" / "pfedla" / "summary.json").stat().st_mtime_ns == stamp
+    # another protocol into the same folder is refused (resuming would silently keep the first one's settings)
+    changed = [*sets(TINY), "--set", "local.lr=0.02"]
+    assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(out), *changed]) == 2
+    assert (out / "fmnist_10" / "seed0" / "pfedla" / "summary.json").stat().st_mtime_ns == stamp
 
 
 def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
