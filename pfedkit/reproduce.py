@@ -184,9 +184,9 @@ def fmt(stat: tuple[float, float, int] | None) -> str:
 
 
 def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
-    lines = ["", f"Per seed ({key}):", "", "| column | method | " + " | ".join(f"seed {i}" for i in range(
-        max(len(v) for r in results.values() for v in r.values()))) + " |", "|---|---|" + "---|" * max(
-        len(v) for r in results.values() for v in r.values())]
+    seeds = max(len(v) for r in results.values() for v in r.values())
+    header = "| column | method | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |"
+    lines = ["", f"Per seed ({key}):", "", header, "|---|---|" + "---|" * seeds]
     for column, res in results.items():
         for name, runs in res.items():
             cells = ["failed" if r is None or r.get(key) is None else f"{r[key] * scale:.2f}" for r in runs]

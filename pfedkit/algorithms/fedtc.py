@@ -50,12 +50,14 @@ class FedTC(FedBN):
         self.body = Split(model, personal_layers(model, "head"))  # the extractor's parts
         self.head = self.split.param_mask(personal_layers(model, "head")).bool()
 
-    def extractor(self, message: Message) -> Message:
-        return {name: message[name] for name, _ in self.body.shared}
+    def with_global_extractor(self, payloads: list[Message], cstates: list[State]) -> list[torch.Tensor]:
+        """(E_g, C_i): each client's own weights with the extractor parts of the global model it received."""
+        return [self.body.fill(s["weights"], {name: p[name] for name, _ in self.body.shared})
+                for p, s in zip(payloads, cstates)]
 
     def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
         P, lr, gw = self.model.param_size, cohort.hp.lr, self.params.global_head_weight
-        own = torch.stack([self.body.fill(s["weights"], self.extractor(p)) for p, s in zip(payloads, cstates)])
+        own = torch.stack(self.with_global_extractor(payloads, cstates))
         glob = self.starts(payloads, cstates)  # (E_g, C_g)
         stream = cohort.stream(cohort.hp, own[:, P:] if own.shape[1] > P else None)
         personal, shared = own[:, :P].clone(), glob[:, :P].clone()  # (E, C_i) and (E, C_g), E the same
@@ -78,4 +80,4 @@ class FedTC(FedBN):
     def evaluated_models(self, payloads, cstates, cohort):
         if self.params.personal_model == "local_extractor":
             return [s["weights"] for s in cstates]
-        return [self.body.fill(s["weights"], self.extractor(p)) for p, s in zip(payloads, cstates)]
+        return self.with_global_extractor(payloads, cstates)

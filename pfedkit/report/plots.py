@@ -4,13 +4,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from ..errors import PfedkitError
 
-from ..errors import PfedkitError  # noqa: E402
+
+class _Pyplot:
+    """matplotlib.pyplot, imported (with the Agg backend) at the first figure: importing it costs about a second,
+    which every Flower ClientApp process (one per message) would otherwise pay for nothing."""
+
+    def __getattr__(self, name):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+        return getattr(pyplot, name)
+
+
+plt = _Pyplot()
 
 
 def _save(fig, path: Path) -> Path:
