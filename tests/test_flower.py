@@ -91,11 +91,11 @@ def self_signed_certificates(folder: Path) -> tuple[Path, Path, Path]:
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test's certificates")
 def test_a_tls_loopback_deployment_gives_the_in_process_metrics_and_resumes_after_the_serverapp_is_stopped(tmp_path):
     """Two SuperNodes on 127.0.0.1 behind a SuperLink serving TLS with self-signed certificates (the SuperNodes and
-    the flwr CLI trust the CA). A 3-round pFedMe run (its clients keep personal models between rounds, in
+    the flwr CLI trust the CA). A 2-round pFedMe run (its clients keep personal models between rounds, in
     context.state) whose ServerApp is stopped after its round-1 checkpoint, then submitted again with resume=true (a
     new Flower run: fresh context.state, the clients' states come back from their nodes' state files), has the
-    in-process engine's metrics in every round: round 1 from the first run, rounds 2-3 from the resumed one."""
-    resumed = small(2, 3, "pfedme")
+    in-process engine's metrics in every round: round 1 from the first run, round 2 from the resumed one."""
+    resumed = small(2, 2, "pfedme")
     (tmp_path / "resumed.yaml").write_text(dump_config(resumed))
     run_experiment(resumed, tmp_path / "resumed_inprocess", log=lambda s: None)
     with Loopback(2, tmp_path / "flwr", tls=self_signed_certificates(tmp_path)) as dep:
@@ -117,34 +117,31 @@ def test_a_tls_loopback_deployment_gives_the_in_process_metrics_and_resumes_afte
 
 
 def test_faulty_and_dying_supernodes_are_named_and_the_run_goes_on(tmp_path):
-    """Four SuperNodes: 0 sound, 1 sends NaN, 2 a wrongly shaped tensor, 3 is SIGKILLed after round 1. Each round
-    completes with client 0 (and 3 while it lives); each faulty client is named in the log with its round; the
-    server state only ever takes the sound updates. With min-replies=3 (two sound nodes) the first round stops the
-    run, with one line."""
-    cfg = small(4, 2, "fedavg")
+    """Three SuperNodes: 0 sound, 1 sends NaN, 2 sound and SIGKILLed after round 1. Each round completes with client 0
+    (and 2 while it lives); the faulty client is named in the log with its round, the dead one as missing; the
+    server state only ever takes the sound updates. With min-replies=3 (two sound nodes of three) the first round
+    stops the run, with one line. (A wrongly shaped reply is refused by the same check, tests/test_trust.py; every
+    Flower run above carries the shapes through Flower's records.)"""
+    cfg = small(3, 2, "fedavg")
     (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
-    faults = {1: "fault='nan'", 2: "fault='shape'"}
-    with Loopback(4, tmp_path / "flwr", node_config=faults) as dep:
+    with Loopback(3, tmp_path / "flwr", node_config={1: "fault='nan'"}) as dep:
         out = tmp_path / "faulty"
         run_id = dep.submit(config=tmp_path / "cfg.yaml", out=out, timeout=40.0)
         wait_for_rows(out / "fedavg", 1, 300)
-        dep.kill_node(3)
+        dep.kill_node(2)
         assert "completed" in dep.wait(run_id, 600), dep.log_of(run_id)[-2000:]
         log = dep.log_of(run_id)
         for rnd in (1, 2):
             assert f"round {rnd}: client 1 sent non-finite values in 'weights'" in log
-            assert f"round {rnd}: client 2 sent 'weights' of shape" in log
-        assert "no reply from clients [3]" in log or "client 3 failed" in log
+        assert "no reply from clients [2]" in log or "client 2 failed" in log
         metrics = rows(out / "fedavg")
-        assert [r["aggregated"] for r in metrics][0] == 2 and all(r["aggregated"] in (1, 2) for r in metrics)
-        assert metrics[-1]["aggregated"] == 1  # client 3 is gone
+        assert [r["aggregated"] for r in metrics] == [2, 1]  # clients 0 and 2, then 0 alone: 2 is gone
         assert metrics[-1]["personalized_acc"] >= 0.0 and (out / "fedavg" / "summary.json").is_file()
 
-        dep.start_node(3)  # a sound SuperNode for partition 3 again
+        dep.start_node(2)  # a sound SuperNode for partition 2 again
         stopped = tmp_path / "stopped"
         run_id = dep.submit(config=tmp_path / "cfg.yaml", out=stopped, timeout=40.0, **{"min-replies": 3})
         dep.wait(run_id, 300)
         failure = (stopped / "fedavg" / "failed.txt").read_text()
-        assert failure.startswith("round 1: 2 of 4 clients sent a usable update (at least 3 needed")
+        assert failure.startswith("round 1: 2 of 3 clients sent a usable update (at least 3 needed")
         assert "\n" not in failure
-

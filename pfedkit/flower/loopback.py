@@ -124,13 +124,16 @@ class Loopback:
         runs = json.loads(self.flwr("ls", "loopback", "--format", "json")).get("runs", [])
         return next((str(r.get("status", "")) for r in runs if str(r.get("run-id")) == str(run_id)), "")
 
-    def wait(self, run_id: int, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
+    def wait(self, run_id: int, timeout: float, poll: float = 8.0) -> str:
+        """The run's final status. Each `flwr ls` is a new CLI process (about a CPU-second of imports) competing with
+        the ClientApp processes, so the polls space out from 1 s to `poll` seconds."""
+        deadline, pause = time.monotonic() + timeout, 1.0
         while time.monotonic() < deadline:
             status = self.status(run_id)
             if any(s in status for s in ("finished", "completed", "failed", "stopped")):
                 return status
-            time.sleep(2)
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 1.5, poll)
         self.flwr("stop", str(run_id), "loopback")
         raise PfedkitError(f"the Flower run {run_id} did not finish within {timeout:.0f} s (stopped)")
 
