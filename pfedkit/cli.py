@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a config key in every column, e.g. --set dataset.root=/data (repeatable)")
     rep.add_argument("--out", type=Path, required=True, help="output folder (run again with the same --out to "
                      "resume an interrupted reproduction)")
+    rep.add_argument("--table-only", action="store_true", help="run nothing: write the table and figure from the "
+                     "runs finished so far in --out (the others' cells say pending)")
     return p
 
 
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             from .reproduce import reproduce
             out = args.out
             reproduce(args.target, args.out, dataset=args.dataset, scale=args.scale, seeds=args.seeds,
-                      extra=args.overrides)
+                      extra=args.overrides, run=not args.table_only)
         elif args.command == "list":
             from .algorithms import ALGORITHMS
             from .config import DATASETS, MODELS, SCHEMES

@@ -129,20 +129,24 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale: str = "reduced",
-              seeds: str = "0,1,2", extra: list[str] | None = None, log: Callable[[str], None] = print) -> Path:
-    """Run (or resume) every column of a table, then write its markdown table and figure; returns the table."""
+              seeds: str = "0,1,2", extra: list[str] | None = None, run: bool = True,
+              log: Callable[[str], None] = print) -> Path:
+    """Run (or resume) every column of a table, then write its markdown table and figure; returns the table.
+    With run=False only the table, from the runs finished so far."""
     target = TARGETS[target_name]
     out = Path(out)
     columns = columns_of(target, dataset)
     configs = [column_config(target, c, scale, seeds, extra or []) for c in columns]  # refuse bad input first
-    for cfg in configs:  # and missing data (EMNIST, CIFAR: where to put the files), before hours of other columns
-        prepare(cfg.with_seed(cfg.seed_list()[0]) if cfg.seed_list() else cfg)
     for column, cfg in zip(columns, configs):
+        if is_run_folder(out / column.folder):
+            check_same_config(out / column.folder, cfg)
+    for cfg in configs if run else []:  # missing data (EMNIST, CIFAR: where to put the files), before any column
+        prepare(cfg.with_seed(cfg.seed_list()[0]) if cfg.seed_list() else cfg)
+    for column, cfg in zip(columns, configs) if run else []:
         folder = out / column.folder
         log(f"== {target.name} {column.label}: {preset_path(column, scale).name} → {folder}")
         try:
             if is_run_folder(folder):
-                check_same_config(folder, cfg)
                 resume_experiment(folder, log=log)
             else:
                 run_experiment(cfg, folder, log=log)
@@ -158,29 +162,39 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale:
     return path
 
 
-def collect(folder: Path, cfg) -> dict[str, list[dict | None]]:
-    """Each method's summary per seed (None where the run failed or is missing)."""
+FAILED = "failed"  # a run that stopped on non-finite updates (its failed.txt says why); None: not run yet
+
+
+def collect(folder: Path, cfg) -> dict[str, list[dict | str | None]]:
+    """Each method's summary per seed: the summary.json dict, FAILED, or None where the run has not finished."""
     seeds = cfg.seed_list()
     dirs = [folder / f"seed{s}" for s in seeds] if seeds else [folder]
     out = {}
     for name in cfg.algorithms():
         out[name] = [json.loads((d / name / "summary.json").read_text()) if (d / name / "summary.json").is_file()
-                     else None for d in dirs]
+                     else FAILED if (d / name / "failed.txt").is_file() else None for d in dirs]
     return out
 
 
-def mean_std(values: list[float | None], scale: float = 100.0) -> tuple[float, float, int] | None:
-    vals = [v * scale for v in values if v is not None]
+def metric(run: dict | str | None, key: str) -> float | None:
+    return run.get(key) if isinstance(run, dict) else None
+
+
+def mean_std(runs: list, key: str, scale: float = 100.0) -> tuple[float, float, int] | None:
+    vals = [v * scale for v in (metric(r, key) for r in runs) if v is not None]
     if not vals:
         return None
     return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, len(vals)
 
 
-def fmt(stat: tuple[float, float, int] | None) -> str:
+def fmt(runs: list, key: str) -> str:
+    """mean ± sample std over the seeds that finished ("(2 of 3 seeds)" when some have not); else failed/pending."""
+    stat = mean_std(runs, key)
     if stat is None:
-        return "failed"
+        return FAILED if FAILED in runs else "pending"
     mean, std, n = stat
-    return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
+    text = f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
+    return text if n == len(runs) else f"{text} ({n} of {len(runs)} seeds)"
 
 
 def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
@@ -189,7 +203,8 @@ def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
     lines = ["", f"Per seed ({key}):", "", header, "|---|---|" + "---|" * seeds]
     for column, res in results.items():
         for name, runs in res.items():
-            cells = ["failed" if r is None or r.get(key) is None else f"{r[key] * scale:.2f}" for r in runs]
+            cells = [f"{metric(r, key) * scale:.2f}" if metric(r, key) is not None else FAILED if r == FAILED
+                     else "pending" for r in runs]
             lines.append(f"| {column.label} | {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -216,7 +231,7 @@ def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: 
         cells = []
         for c in cols:
             runs = results[c].get(name)
-            ours = "–" if runs is None else fmt(mean_std([r and r["personalized_acc"] for r in runs]))
+            ours = "–" if runs is None else fmt(runs, "personalized_acc")
             cells += [ours, table.get(name, {}).get(c.key, "–")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", target.what, "Ours: mean ± sample std (n − 1) over seeds; each seed draws its own partition, "
@@ -233,10 +248,10 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
         for name, runs in res.items():
             k = 0 if name == "pfedla" else int(name.split("k=")[1]) if "k=" in name else 1
             paper = papers.TABLE3.get((c.key[0], k))
-            done = [r for r in runs if r is not None]
-            down = f"{np.mean([r['mb_down_total'] for r in done]):.2f}" if done else "failed"
-            both = f"{np.mean([r['mb_down_total'] + r['mb_up_total'] for r in done]):.2f}" if done else "failed"
-            acc = fmt(mean_std([r and r['personalized_acc'] for r in runs]))
+            done = [r for r in runs if isinstance(r, dict)]
+            down = f"{np.mean([r['mb_down_total'] for r in done]):.2f}" if done else "–"
+            both = f"{np.mean([r['mb_down_total'] + r['mb_up_total'] for r in done]):.2f}" if done else "–"
+            acc = fmt(runs, "personalized_acc")
             lines.append(f"| {c.label.split()[0]} | {name} (k={k}) | {acc} "
                          f"| {paper[0] if paper else '–'} | {down} | {both} | {paper[1] if paper else '–'} |")
     lines += ["", target.what, "The paper's MB are for its own model and rounds; compare the trend over k, not "
@@ -254,12 +269,11 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
                   "| paper |",
                   "|---|---|---|---|---|---|---|"]
         for name, runs in res.items():
-            gm = mean_std([r and r["global_acc_weighted"] for r in runs])
-            pm = mean_std([r and r["personalized_acc_weighted"] for r in runs])
             g_gain = _gain(ours_cs, runs, "global_acc_weighted")
             p_gain = _gain(ours_cs, runs, "personalized_acc_weighted")
             paper = gains.get(name, (None, None))
-            lines.append(f"| {name} | {fmt(gm)} | {fmt(pm)} | {g_gain} | {_signed(paper[0])} | {p_gain} "
+            gm, pm = fmt(runs, "global_acc_weighted"), fmt(runs, "personalized_acc_weighted")
+            lines.append(f"| {name} | {gm} | {pm} | {g_gain} | {_signed(paper[0])} | {p_gain} "
                          f"| {_signed(paper[1])} |")
         lines.append("")
     lines += [target.what, "Gains: per seed, pFedCS's value minus the method's on the same partition and sampling "
@@ -270,8 +284,8 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
 
 
 def _gain(reference: list, runs: list, key: str) -> str:
-    diffs = [100 * (a[key] - b[key]) for a, b in zip(reference, runs)
-             if a is not None and b is not None and a.get(key) is not None and b.get(key) is not None]
+    diffs = [100 * (metric(a, key) - metric(b, key)) for a, b in zip(reference, runs)
+             if metric(a, key) is not None and metric(b, key) is not None]
     if not diffs:
         return "–"
     return f"{np.mean(diffs):+.2f} ± {np.std(diffs, ddof=1):.2f}" if len(diffs) > 1 else f"{diffs[0]:+.2f}"
@@ -342,12 +356,12 @@ def figure(target: Target, results: dict, out: Path, path: Path) -> Path | None:
     for ax, c in zip(axes[0], cols):
         names = list(results[c])
         key = "global_acc_weighted" if target.name.startswith("pfedcs") else "personalized_acc"
-        stats = [mean_std([r and r[key] for r in results[c][n]]) for n in names]
+        stats = [mean_std(results[c][n], key) for n in names]
         x = np.arange(len(names))
         ax.bar(x, [s[0] if s else 0 for s in stats], yerr=[s[1] if s else 0 for s in stats], color="tab:blue",
                alpha=0.8, label="ours (GM)" if target.name.startswith("pfedcs") else "ours")
         if target.name.startswith("pfedcs"):
-            pm = [mean_std([r and r["personalized_acc_weighted"] for r in results[c][n]]) for n in names]
+            pm = [mean_std(results[c][n], "personalized_acc_weighted") for n in names]
             ax.scatter(x, [s[0] if s else np.nan for s in pm], color="tab:orange", zorder=3, label="ours (PM)")
         elif target.name in ("table1", "table2"):
             table = papers.TABLE1 if target.name == "table1" else papers.TABLE2

@@ -52,6 +52,20 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     changed = [*sets(TINY), "--set", "local.lr=0.02"]
     assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(out), *changed]) == 2
     assert (out / "fmnist_10" / "seed0" / "pfedla" / "summary.json").stat().st_mtime_ns == stamp
+    # --table-only runs nothing: an unfinished run is pending, a failed one failed, the mean over the finished seeds
+    (out / "fmnist_10" / "seed1" / "fedrep" / "summary.json").unlink()
+    seed1 = out / "fmnist_10" / "seed1"
+    (seed1 / "pfedhn" / "summary.json").rename(seed1 / "pfedhn" / "failed.txt")
+    (out / "fmnist_10" / "seed0" / "pfedhn" / "summary.json").unlink()
+    assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(out), "--table-only",
+                 *sets(TINY)]) == 0
+    text = (out / "table1.md").read_text()
+    seed0 = 100 * json.loads((out / "fmnist_10" / "seed0" / "fedrep" / "summary.json").read_text())["personalized_acc"]
+    assert cells(text, "fedrep")[0] == f"{seed0:.2f} (1 of 2 seeds)"
+    assert cells(text, "pfedhn")[0] == "failed"
+    per_seed = [line for line in text.splitlines() if line.startswith("| FMNIST 10 | fedrep |")]
+    assert per_seed == [f"| FMNIST 10 | fedrep | {seed0:.2f} | pending |"]
+    assert not (out / "fmnist_10" / "seed1" / "fedrep" / "summary.json").exists()
 
 
 def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
