@@ -21,7 +21,8 @@ from .registry import ALGORITHMS, NoParams
 
 DATASETS = ("mnist5k", "fmnist", "synthetic", "digits", "mnist", "emnist", "cifar10", "cifar100", "leaf")
 SCHEMES = ("classes", "dominant", "dirichlet", "powerlaw_labels", "chain", "iid", "natural")
-MODELS = ("cnn", "cnn_bn", "mlr", "dnn")
+MODELS = ("cnn", "cnn_bn", "lenet5", "mlr", "dnn")
+BATCHNORM_MODELS = ("cnn_bn", "lenet5")  # FedBN has something to keep
 INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: str.isdigit() also takes '²' and '١٢'
 
 

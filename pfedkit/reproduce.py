@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import yaml
 
-from .config import dump_config, load_config
+from .config import BATCHNORM_MODELS, dump_config, load_config
 from .errors import ConfigError, UpdateError
 from .experiment import is_run_folder, prepare, resume_experiment, run_experiment
 from .report import papers
@@ -99,7 +99,7 @@ def preset_path(column: Column, scale: str) -> Path:
 def column_config(target: Target, column: Column, scale: str, seeds: str, extra: list[str]):
     cfg = load_config(preset_path(column, scale), [f"seeds={seeds}", *extra], None)
     if target.methods is not None:  # FedBN only where the model has BatchNorm: the paper's "–" cells
-        cfg.algorithm = ",".join(m for m in target.methods if m != "fedbn" or cfg.model.name.endswith("_bn"))
+        cfg.algorithm = ",".join(m for m in target.methods if m != "fedbn" or cfg.model.name in BATCHNORM_MODELS)
     return cfg
 
 

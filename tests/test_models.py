@@ -17,6 +17,26 @@ def test_pfedhn_cnn_shapes(shape, features):
     assert net(torch.zeros(2, *shape)).shape == (2, 10)
 
 
+def test_lenet5_is_fl_benchs_layout_with_its_parameter_count():
+    """FL-bench's LeNet5 written out here as a plain nn.Sequential (conv 1->6, 5 + BN, ReLU, pool; conv 6->16, 5 + BN,
+    ReLU, pool; fc 256->120, ReLU, fc 120->84, ReLU, classifier 84->10): the same outputs with the same weights, and
+    the hand count 156 + 12 + 2416 + 32 + 30840 + 10164 + 850 = 44470 parameters (+ 2 * (6 + 16) BN statistics)."""
+    net = build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0)
+    nn = torch.nn
+    ref = nn.Sequential(nn.Conv2d(1, 6, 5), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(6, 16, 5), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Linear(256, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
+    assert sum(p.numel() for p in net.parameters()) == 44470 == sum(p.numel() for p in ref.parameters())
+    for mine, theirs in zip([net.conv1, net.bn1, net.conv2, net.bn2, net.fc1, net.fc2, net.fc3],
+                            [ref[0], ref[1], ref[4], ref[5], ref[9], ref[11], ref[13]]):
+        theirs.load_state_dict(mine.state_dict())
+    x = torch.randn(5, 1, 28, 28)
+    torch.testing.assert_close(net(x), ref(x))  # train mode: batch statistics, running ones updated alike
+    torch.testing.assert_close(net.bn2.running_mean, ref[5].running_mean)
+    assert FlatModel(net).size - FlatModel(net).param_size == 2 * (6 + 16)
+    assert build_model(ModelConfig("lenet5"), (3, 32, 32), 100, 0).fc1.in_features == 400
+
+
 def test_layers_are_parameterized_modules_with_bn_buffers_marked():
     fm = FlatModel(build_model(ModelConfig("cnn_bn"), (3, 32, 32), 100, 0))
     assert [l.name for l in fm.layers] == ["conv1", "bn1", "conv2", "bn2", "fc1", "fc2", "fc3"]

@@ -1,4 +1,5 @@
-"""The papers' models: pFedHN's small CNN (with or without BatchNorm), MLR and a one-hidden-layer DNN.
+"""The papers' models: pFedHN's small CNN (with or without BatchNorm), FL-bench's LeNet-5 (the same layout with
+6 and 16 channels and BatchNorm), MLR and a one-hidden-layer DNN.
 
 Each names its last linear layer `head_layers`; everything before it is the body (FedRep, FedTC).
 """
@@ -17,19 +18,22 @@ class CNN(nn.Module):
     """pFedHN's CNNTarget (specs §2.1): conv5-16, pool, conv5-32, pool, fc 120, fc 84, fc C; no padding.
 
     1x28x28 inputs give 32*4*4 = 512 features after the convs, 3x32x32 inputs 32*5*5 = 800. With
-    `batch_norm`, a BatchNorm2d follows each conv (the pFedLA paper's CIFAR models)."""
+    `batch_norm`, a BatchNorm2d follows each conv (the pFedLA paper's CIFAR models). `channels=(6, 16)` with
+    BatchNorm is FL-bench's LeNet5 (conv-BN-ReLU-pool twice, fc 256 (400 on 32x32) -> 120 -> 84 -> C, ReLU
+    between), the model of its pFedLA benchmark."""
 
     head_layers = ("fc3",)
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, batch_norm: bool = False):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, batch_norm: bool = False,
+                 channels: tuple[int, int] = (16, 32)):
         super().__init__()
-        channels, size = input_shape[0], input_shape[-1]
-        self.conv1 = nn.Conv2d(channels, 16, 5)
-        self.bn1 = nn.BatchNorm2d(16) if batch_norm else nn.Identity()
-        self.conv2 = nn.Conv2d(16, 32, 5)
-        self.bn2 = nn.BatchNorm2d(32) if batch_norm else nn.Identity()
+        (c1, c2), size = channels, input_shape[-1]
+        self.conv1 = nn.Conv2d(input_shape[0], c1, 5)
+        self.bn1 = nn.BatchNorm2d(c1) if batch_norm else nn.Identity()
+        self.conv2 = nn.Conv2d(c1, c2, 5)
+        self.bn2 = nn.BatchNorm2d(c2) if batch_norm else nn.Identity()
         side = ((size - 4) // 2 - 4) // 2
-        self.fc1 = nn.Linear(32 * side * side, 120)
+        self.fc1 = nn.Linear(c2 * side * side, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
         self.pool = nn.MaxPool2d(2)
@@ -84,7 +88,7 @@ def linear_many(params: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
     """The model with a seeded initialization that leaves the global RNG untouched."""
-    if cfg.name in ("cnn", "cnn_bn"):
+    if cfg.name in ("cnn", "cnn_bn", "lenet5"):
         if len(input_shape) != 3 or input_shape[1:] not in ((28, 28), (32, 32)):
             raise ConfigError(f"config key 'model.name': '{cfg.name}' needs 28x28 or 32x32 images, the data has "
                               f"inputs of shape {input_shape}; allowed here: mlr, dnn")
@@ -94,6 +98,8 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int
             return CNN(input_shape, num_classes)
         if cfg.name == "cnn_bn":
             return CNN(input_shape, num_classes, batch_norm=True)
+        if cfg.name == "lenet5":
+            return CNN(input_shape, num_classes, batch_norm=True, channels=(6, 16))
         if cfg.name == "mlr":
             return MLR(input_shape, num_classes)
         return DNN(input_shape, num_classes, cfg.hidden)
