@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("target", choices=("table1", "table2", "table3", "fig6", "pfedcs-synthetic", "pfedcs-mnist"))
     rep.add_argument("--dataset", help="one dataset column group of the table (default: all of them; EMNIST and "
                      "CIFAR are read from dataset.root)")
-    rep.add_argument("--scale", choices=("reduced", "full"), default="reduced", help="reduced: minutes per column "
-                     "on 2 CPU cores (configs/*_reduced.yaml); full: the paper's protocol")
+    rep.add_argument("--scale", choices=("reduced", "full"), default="reduced", help="reduced: 10-20 minutes per "
+                     "column and seed on 2 CPU cores (configs/*_reduced.yaml); full: the paper's protocol")
     rep.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every column, e.g. --set dataset.root=/data (repeatable)")
