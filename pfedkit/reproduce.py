@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import yaml
 
-from .config import BATCHNORM_MODELS, dump_config, load_config
+from .config import BATCHNORM_MODELS, load_config
+from .engine.files import RESUMABLE_KEYS, flatten_config
 from .errors import ConfigError, UpdateError
 from .experiment import is_run_folder, prepare, resume_experiment, run_experiment
 from .report import papers
@@ -103,29 +103,19 @@ def column_config(target: Target, column: Column, scale: str, seeds: str, extra:
     return cfg
 
 
-# keys that change how a run is shown or where it runs, not its protocol
-HOW_NOT_WHAT = {"progress", "plots", "threads", "device", "checkpoint_every"}
+# keys that change how a run is shown or where it runs, not its protocol (a resumed run may also add rounds; a
+# table's column may not)
+HOW_NOT_WHAT = RESUMABLE_KEYS - {"rounds"}
 
 
 def check_same_config(folder: Path, cfg) -> None:
     """A folder is resumed with the config it was started with; a different preset, --seeds or --set would
     silently be ignored (and the table would mix two protocols), so it is refused."""
-    changed = sorted(set(_differences(load_config(folder / "config.yaml"), cfg)) - HOW_NOT_WHAT)
+    saved, wanted = flatten_config(load_config(folder / "config.yaml").to_dict()), flatten_config(cfg.to_dict())
+    changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k) and k not in HOW_NOT_WHAT)
     if changed:
         raise ConfigError(f"pfedkit reproduce: {folder} holds runs of another config ({', '.join(changed[:4])} "
                           "differ); use another --out, or delete the folder to start it again")
-
-
-def _differences(a, b) -> list[str]:
-    flat_a, flat_b = _flatten(yaml.safe_load(dump_config(a))), _flatten(yaml.safe_load(dump_config(b)))
-    return [k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k)]
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale: str = "reduced",
