@@ -87,6 +87,9 @@ class LocalConfig:
     lr: float = at_least(0.0, 0.05, open_low=True)
     momentum: float = at_least(0.0, 0.0, high=1.0)
     weight_decay: float = at_least(0.0, 0.0)
+    # clients trained side by side, each in a thread of one core (the per-client path: convolutional and BatchNorm
+    # models): 0 = auto (as many as PyTorch's CPU threads on a CPU, else 1), 1 = one client after another
+    workers: int = at_least(0, 0)
 
 
 @dataclass

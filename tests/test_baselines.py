@@ -2,6 +2,8 @@
 evaluation rules (Per-FedAvg adapts on train data only)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,8 +27,10 @@ def setup(name: str, *extra: str):
     return cfg, data, model, build_algorithm(cfg, model, data.num_clients)
 
 
-def cohort_of(cfg, data, model, cids, rnd=1, lockstep=None):
-    return Cohort(cids, rnd, data, model, cfg.local, [seeded_generator(cfg.seed, rnd, c) for c in cids], lockstep)
+def cohort_of(cfg, data, model, cids, rnd=1, lockstep=None, workers=1):
+    """workers=1: one client after another on PyTorch's threads, as a Flower ClientApp trains its client."""
+    hp = dataclasses.replace(cfg.local, workers=workers)
+    return Cohort(cids, rnd, data, model, hp, [seeded_generator(cfg.seed, rnd, c) for c in cids], lockstep)
 
 
 def assert_same_messages(got, want, exact):
@@ -48,10 +52,11 @@ def assert_same_messages(got, want, exact):
     ("fedavg", ["local.steps=0", "local.epochs=1", "local.momentum=0.9", "local.weight_decay=0.01"]),
 ])
 def test_lockstep_training_equals_the_per_client_path(name, extra):
-    """One client path per algorithm, three ways to run it: the cohort in lockstep (batched products, the
-    simulator's way for dense models), the cohort one client after another, and each client alone in a cohort of
-    one (a Flower ClientApp). One after another and alone are the same arithmetic: bit-identical; lockstep
-    reorders the products: equal to float tolerance."""
+    """One client path per algorithm, four ways to run it: the cohort in lockstep (batched products, the
+    simulator's way for dense models), the cohort one client after another, side by side (two clients at a time,
+    one thread each), and each client alone in a cohort of one (a Flower ClientApp). One after another and alone
+    are the same arithmetic: bit-identical; lockstep reorders the products and side by side runs them on fewer
+    threads: equal to float tolerance."""
     cfg, data, model, algo = setup(name, *extra)
     init = model.state()
     state = algo.init_server(init)
@@ -64,6 +69,8 @@ def test_lockstep_training_equals_the_per_client_path(name, extra):
     alone_updates, alone_states = [u for (u,), _ in alone], [s for _, (s,) in alone]
     assert_same_messages(in_turn[0] + in_turn[1], alone_updates + alone_states, exact=True)
     assert_same_messages(lockstep[0] + lockstep[1], in_turn[0] + in_turn[1], exact=False)
+    side = algo.client_update(payloads, cstates, cohort_of(cfg, data, model, cids, lockstep=False, workers=2))
+    assert_same_messages(side[0] + side[1], in_turn[0] + in_turn[1], exact=False)
     moved = [u["weights"] for u in in_turn[0]] if "weights" in in_turn[0][0] else [s["weights"] for s in in_turn[1]]
     assert all(not torch.equal(m, init) for m in moved)  # training did something to compare
 

@@ -14,7 +14,7 @@ from ..algorithms import Algorithm
 from ..config import LocalConfig
 from ..data import ClientData, FederatedData
 from ..models import FlatModel
-from ..train import Cohort, predict, seeded_generator
+from ..train import Cohort, predict, seeded_generator, side_by_side, worker_count
 
 EVAL_STREAM = 0xE7A1  # key of the generators an evaluation-time adaptation draws its batches from
 
@@ -74,12 +74,19 @@ class InProcessClients:
         vectors = eval_vectors(self.algo, self.train_only, self.model, self.hp, self.seed, rnd, cids,
                                [payloads[c] for c in cids], [self.cstates[c] for c in cids])
         glob = self._global_scores(rnd, global_model, train_loss)
+        own = [j for j, vec in enumerate(vectors) if glob is None or vec is not global_model]
+        scores: dict[int, tuple[int, float]] = {}
+
+        def score_one(model: FlatModel, k: int) -> None:
+            j = own[k]
+            scores[j] = score(model, vectors[j], self.data.client(cids[j]), train_loss)
+        side_by_side(self.model, worker_count(self.model, self.hp, len(own)), len(own), score_one)
         out = {}
-        for cid, vec in zip(cids, vectors):
-            if glob is not None and vec is global_model:  # scored once for all clients
+        for j, cid in enumerate(cids):
+            if j in scores:
+                correct, loss = scores[j]
+            else:  # the global model, scored once for all clients
                 correct, loss = int(glob["correct"][cid]), float(glob["loss"][cid])
-            else:
-                correct, loss = score(self.model, vec, self.data.client(cid), train_loss)
             out[cid] = {"correct": correct, "train_loss_sum": loss}
             if glob is not None:
                 out[cid].update(global_correct=int(glob["correct"][cid]), global_train_loss_sum=float(glob["loss"][cid]))

@@ -30,7 +30,8 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise PfedkitError(f"could not write {path}: {exc.strerror or exc} (disk full or not writable?){kept}") from None
 
 
-RESUMABLE_KEYS = {"rounds", "progress", "plots", "threads", "device", "checkpoint_every"}  # may change on resume
+RESUMABLE_KEYS = {"rounds", "progress", "plots", "threads", "device", "checkpoint_every",
+                  "local.workers"}  # may change on resume
 
 
 def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:

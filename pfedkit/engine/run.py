@@ -193,8 +193,8 @@ class Run:
                                f"{again}")
         mine, theirs = flatten_config(self.cfg.to_dict()), flatten_config(ck["config"]) if isinstance(
             ck["config"], dict) else {}
-        changed = [k for k in sorted(set(mine) | set(theirs)) if k.split(".")[0] not in RESUMABLE_KEYS
-                   and mine.get(k) != theirs.get(k)]
+        changed = [k for k in sorted(set(mine) | set(theirs)) if k not in RESUMABLE_KEYS
+                   and k.split(".")[0] not in RESUMABLE_KEYS and mine.get(k) != theirs.get(k)]
         if changed:
             k = changed[0]
             raise PfedkitError(f"cannot resume from {path}: it was written with {k}={theirs.get(k)!r} but "

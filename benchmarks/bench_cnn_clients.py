@@ -1,0 +1,177 @@
+"""A round's CNN clients: every way of running them measured against a bare PyTorch loop, the losers kept.
+
+One round of 10 clients (mnist5k, 4 classes each, batch 32, `--epochs` local epochs, SGD) on pFedHN's CNN with
+and without BatchNorm. Every candidate trains the same clients on the same seeded batches from the same start;
+runs alternate and the best of `--repeats` is kept. Prints client-steps/s and the ratio to the bare loop.
+
+    python benchmarks/bench_cnn_clients.py [--epochs 2] [--repeats 3] [--models cnn,cnn_bn] [--compile] [--smoke]
+
+Candidates:
+  bare            nn.Module + torch.optim.SGD, one client after another, PyTorch's threads (the reference)
+  bare-1thread    the same on one intra-op thread
+  engine-1by1     pfedkit's Cohort, one client after another (local.workers=1)
+  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0)
+  channels_last   the bare loop with channels_last inputs and weights
+  flush-denormal  the bare loop with denormals flushed to zero
+  no-mkldnn       the bare loop on PyTorch's own convolutions (oneDNN off)
+  grouped         all clients in lockstep as grouped convolutions + batched linear layers (no BatchNorm only)
+  compiled        the bare loop with torch.compile'd forward (--compile: ~40 s to compile)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from pfedkit.config import load_config
+from pfedkit.experiment import prepare
+from pfedkit.models import FlatModel, build_model
+from pfedkit.train import Cohort, batch_indices, seeded_generator
+
+
+def batches(cfg, data):
+    """Every client's seeded batches of this round, as (x, y) lists."""
+    out = []
+    for c in range(data.num_clients):
+        client = data.client(c)
+        gen = seeded_generator(cfg.seed, 1, c)
+        out.append([(client.x_train[i], client.y_train[i])
+                    for i in batch_indices(client.num_train, cfg.local, gen, torch.device("cpu"))])
+    return out
+
+
+def bare(net, work, lr, memory_format=None, compiled=False):
+    """One module, each client loading the round's start, as a plain PyTorch FedAvg client loop does."""
+    model = copy.deepcopy(net)
+    if memory_format is not None:
+        model = model.to(memory_format=memory_format)
+    start = copy.deepcopy(model.state_dict())
+    forward = torch.compile(model) if compiled else model
+    for client in work:
+        model.load_state_dict(start)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for x, y in client:
+            if memory_format is not None:
+                x = x.contiguous(memory_format=memory_format)
+            opt.zero_grad()
+            F.cross_entropy(forward(x), y).backward()
+            opt.step()
+
+
+@contextlib.contextmanager
+def threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def flush_denormal():
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def grouped(net, work, lr):
+    """All clients at once: conv layers as one grouped convolution (client c's channels are group c), linear
+    layers as one batched product; each client its own weights and batches (clients with a shorter stream stop)."""
+    C = len(work)
+    params = {n: p.detach().unsqueeze(0).repeat(C, *[1] * p.dim()).requires_grad_(True)
+              for n, p in net.named_parameters()}
+    steps = max(len(w) for w in work)
+    for t in range(steps):
+        live = [c for c in range(C) if t < len(work[c])]
+        if len(set(len(work[c][t][1]) for c in live)) > 1 or len(live) < C:  # ragged step: one client at a time
+            for c in live:
+                one = {n: p[c] for n, p in params.items()}
+                out = torch.func.functional_call(net, one, (work[c][t][0],))
+                F.cross_entropy(out, work[c][t][1]).backward()
+        else:
+            x = torch.stack([work[c][t][0] for c in live])  # (C, B, 1, 28, 28)
+            y = torch.stack([work[c][t][1] for c in live])
+            B = x.shape[1]
+            h = x.transpose(0, 1).reshape(B, C * x.shape[2], *x.shape[3:])
+            for conv in ("conv1", "conv2"):
+                w, b = params[f"{conv}.weight"], params[f"{conv}.bias"]
+                h = F.conv2d(h, w.reshape(-1, *w.shape[2:]), b.reshape(-1), groups=C)
+                h = F.max_pool2d(torch.relu(h), 2)
+            h = h.reshape(B, C, -1).transpose(0, 1)  # (C, B, features)
+            for fc in ("fc1", "fc2", "fc3"):
+                h = torch.baddbmm(params[f"{fc}.bias"].unsqueeze(1), h, params[f"{fc}.weight"].transpose(1, 2))
+                h = torch.relu(h) if fc != "fc3" else h
+            # each client's mean loss: the sum over clients has each client's gradient in its own rows
+            F.cross_entropy(h.flatten(0, 1), y.flatten(), reduction="none").view(C, B).mean(1).sum().backward()
+        with torch.no_grad():
+            for p in params.values():
+                p -= lr * p.grad
+                p.grad = None
+
+
+def engine(cfg, data, workers):
+    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
+    hp = dataclasses.replace(cfg.local, workers=workers)
+    cids = list(range(data.num_clients))
+    starts = model.state().repeat(len(cids), 1)
+    return lambda: Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids]).train(starts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default="cnn,cnn_bn")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="3 clients, 1 repeat (CI: runs, times nothing)")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", message="TF32 acceleration")  # printed by the oneDNN switch
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name in args.models.split(","):
+        cfg = load_config(None, ["dataset.name=mnist5k", f"model.name={name}", "local.batch_size=32",
+                                 f"partition.num_clients={3 if args.smoke else 10}", f"local.epochs={args.epochs}",
+                                 f"partition.samples_per_client={64 if args.smoke else 0}",
+                                 "local.lr=0.05", "progress=false", "plots=false"], "fedavg")
+        data = prepare(cfg)
+        net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+        work, lr = batches(cfg, data), cfg.local.lr
+        steps = sum(len(w) for w in work)
+        plain = lambda: bare(net, work, lr)  # noqa: E731
+        candidates = {  # name: (the switch it runs under, the work)
+            "bare": (None, plain),
+            "bare-1thread": (lambda: threads(1), plain),
+            "engine-1by1": (None, engine(cfg, data, 1)),
+            "engine": (None, engine(cfg, data, 0)),
+            "channels_last": (None, lambda: bare(net, work, lr, memory_format=torch.channels_last)),
+            "flush-denormal": (flush_denormal, plain),
+            "no-mkldnn": (lambda: torch.backends.mkldnn.flags(enabled=False), plain),
+        }
+        if name == "cnn":
+            candidates["grouped"] = (None, lambda: grouped(net, work, lr))
+        if args.compile:
+            bare(net, work[:1], lr, compiled=True)  # compile once (cached for the timed runs)
+            candidates["compiled"] = (None, lambda: bare(net, work, lr, compiled=True))
+        best = {k: float("inf") for k in candidates}
+        for _ in range(1 if args.smoke else args.repeats):
+            for key, (switch, fn) in candidates.items():
+                with switch() if switch else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    fn()
+                    best[key] = min(best[key], time.perf_counter() - t0)
+        print(f"\n{name}: {data.num_clients} clients, {steps} client-steps per round")
+        print(f"{'candidate':>15} {'steps/s':>9} {'x bare':>7}")
+        for key, secs in best.items():
+            print(f"{key:>15} {steps / secs:>9.0f} {best['bare'] / secs:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""pfedkit side by side with FL-bench's pFedLA benchmark setting: FMNIST, 100 clients, 10 a round, 1 local epoch,
+batch 32, LeNet-5 (FL-bench's: conv 1->6, 5 + BN, conv 6->16, 5 + BN, fc 256->120->84->10).
+
+FL-bench is not a dependency: its figures on this machine class (2 CPU threads, measured once and recorded in
+issue 11) are the reference printed beside ours: 0.82 s/round for pFedLA (server 27 % of the round), 0.53 s/round
+for FedAvg (training rounds; its evaluation of the 100 clients: 3.2 s). For each algorithm the script prints
+s/round of the training rounds, the server's share of them, one evaluation of every client (seconds, and its share
+of the time if evaluated every 10 rounds), the same clients' steps in a bare PyTorch loop (nn.Module,
+torch.optim.SGD, the same batches) and the ratios.
+
+    python benchmarks/bench_flbench.py [--rounds 10] [--algorithms fedavg,pfedla] [--smoke]
+
+Needs the full Fashion-MNIST (`apt-get install -y dataset-fashion-mnist`); `--smoke` runs 2 rounds on mnist5k
+(for CI: it checks the script runs, it times nothing meaningful).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from bench_local_training import bare_fedavg  # the bare loop of the same steps (this folder)
+from pfedkit.config import load_config
+from pfedkit.engine import Run
+from pfedkit.experiment import prepare
+
+FLBENCH_S_PER_ROUND = {"pfedla": 0.82, "fedavg": 0.53}  # FL-bench, LeNet-5, 2 threads, this machine class
+SETTING = ["dataset.name=fmnist", "partition.num_clients=100", "clients_per_round=10", "model.name=lenet5",
+           "local.epochs=1", "local.batch_size=32", "progress=false", "plots=false",
+           "checkpoint_every=0"]
+SMOKE = ["dataset.name=mnist5k", "partition.num_clients=20", "clients_per_round=4"]
+
+
+def engine_round(cfg, data) -> dict:
+    """Seconds of the training rounds and of the one evaluation of every client at the end."""
+    with tempfile.TemporaryDirectory() as out:
+        run = Run(cfg, data, out)
+        summary = run.run()
+        row = run.metrics[-1]
+        train = row["wall_s"] - row["eval_s"]
+        return {"s_round": train / cfg.rounds, "server": summary["server_s_total"] / train, "eval_s": row["eval_s"],
+                "train_s_round": (train - summary["server_s_total"]) / cfg.rounds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--algorithms", default="fedavg,pfedla")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    rounds = 2 if args.smoke else args.rounds
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, {rounds} rounds")
+    print(f"{'algorithm':>10} {'steps/rnd':>9} {'s/round':>8} {'server':>7} {'eval s':>7} {'eval/10 rnd':>12} {'client s/rnd':>13} "
+          f"{'bare s/rnd':>11} {'client/bare':>12} {'FL-bench s/rnd':>15} {'x FL-bench':>11}")
+    for name in args.algorithms.split(","):
+        cfg = load_config(None, SETTING + (SMOKE if args.smoke else []) + [f"rounds={rounds}", f"eval_every={rounds}",
+                                                                           f"device={args.device}"], name)
+        cfg = cfg.for_algorithm(name)
+        data = prepare(cfg)
+        engine_round(cfg, data)  # warm-up (allocator, kernels)
+        got = engine_round(cfg, data)
+        # the same clients' steps (every algorithm here trains 1 epoch each); the first call warms up
+        bare_s, steps = min(bare_fedavg(cfg, data) for _ in range(2))
+        bare = bare_s / rounds
+        ref = FLBENCH_S_PER_ROUND.get(name)
+        eval_share = got["eval_s"] / (10 * got["s_round"] + got["eval_s"])
+        print(f"{name:>10} {steps / rounds:>9.0f} {got['s_round']:>8.3f} {got['server']:>7.1%} {got['eval_s']:>7.2f} {eval_share:>12.0%} "
+              f"{got['train_s_round']:>13.3f} {bare:>11.3f} {got['train_s_round'] / bare:>12.2f} "
+              f"{ref if ref else '-':>15} {ref / got['s_round'] if ref else float('nan'):>11.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Clients trained side by side (`local.workers`): each worker thread runs a client's ops on one intra-op thread
+with a model replica of its own, so every client's result is the one it gets alone on one thread, whatever worker
+ran it and in whatever order, BatchNorm statistics included."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pfedkit.config import load_config
+from pfedkit.engine import TIMING_KEYS, Run
+from pfedkit.experiment import prepare
+from pfedkit.models import FlatModel, build_model
+from pfedkit.train import Cohort, seeded_generator
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cnn_bn_data(clients=5):
+    cfg = load_config(None, ["dataset.name=mnist5k", "model.name=cnn_bn", f"partition.num_clients={clients}",
+                             "partition.samples_per_client=60", "local.batch_size=16", "local.momentum=0.5",
+                             "progress=false", "plots=false"], "fedavg")
+    return cfg, prepare(cfg)
+
+
+def cohort(cfg, data, model, workers, rnd=1):
+    hp = dataclasses.replace(cfg.local, workers=workers)
+    cids = list(range(data.num_clients))
+    return Cohort(cids, rnd, data, model, hp, [seeded_generator(cfg.seed, rnd, c) for c in cids])
+
+
+def test_side_by_side_training_equals_plain_loop_per_client(one_thread):
+    cfg, data = cnn_bn_data()
+    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, 0))
+    starts = torch.stack([model.state() + 0.01 * c for c in range(data.num_clients)])  # a different start each
+    trained, losses = cohort(cfg, data, model, workers=3).train(starts)
+
+    # reference: plain PyTorch per client (nn.Module, torch.optim.SGD with momentum, the same seeded batches)
+    net = build_model(cfg.model, data.input_shape, data.num_classes, 0)
+    for c in range(data.num_clients):
+        ref = copy.deepcopy(net)
+        with torch.no_grad():
+            flat = starts[c]
+            offset = 0
+            for t in list(ref.parameters()) + [b for n, b in ref.named_buffers() if "num_batches" not in n]:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+        opt = torch.optim.SGD(ref.parameters(), lr=cfg.local.lr, momentum=cfg.local.momentum)
+        client, gen, batch_losses = data.client(c), seeded_generator(cfg.seed, 1, c), []
+        perm = torch.randperm(client.num_train, generator=gen)
+        for start in range(0, client.num_train, cfg.local.batch_size):
+            idx = perm[start: start + cfg.local.batch_size]
+            opt.zero_grad()
+            loss = F.cross_entropy(ref(client.x_train[idx]), client.y_train[idx])
+            loss.backward()
+            opt.step()
+            batch_losses.append(float(loss.detach()))
+        expected = torch.cat([p.detach().flatten() for p in ref.parameters()]
+                             + [b.flatten() for n, b in ref.named_buffers() if "num_batches" not in n])
+        assert torch.allclose(trained[c], expected, atol=1e-5), c  # parameters and this client's BN statistics
+        assert float(losses[c]) == pytest.approx(sum(batch_losses) / len(batch_losses), rel=1e-5)
+    # each client kept its own BN running statistics (they differ between clients)
+    buffers = trained[:, model.param_size:]
+    assert not torch.allclose(buffers[0], buffers[1])
+
+
+def test_side_by_side_is_bitwise_the_one_at_a_time_result_on_one_thread(one_thread):
+    cfg, data = cnn_bn_data()
+    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, 0))
+    starts = model.state().repeat(data.num_clients, 1)
+    alone = cohort(cfg, data, model, workers=1).train(starts)
+    for workers in (2, 4):
+        side = cohort(cfg, data, model, workers=workers).train(starts)
+        assert torch.equal(alone[0], side[0]) and torch.equal(alone[1], side[1])
+    assert torch.get_num_threads() == 1  # the caller's thread count is restored
+
+
+def test_a_clients_error_reaches_the_caller_and_threads_are_restored():
+    cfg, data = cnn_bn_data()
+    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, 0))
+    before = torch.get_num_threads()
+
+    def fail_on_third(m, i):
+        if i == 2:
+            raise ValueError("client 2 broke")
+    with pytest.raises(ValueError, match="client 2 broke"):
+        cohort(cfg, data, model, workers=2).each_client(fail_on_third)
+    assert torch.get_num_threads() == before
+
+
+def test_workers_auto_follows_the_cpu_threads_and_the_cohort_size():
+    cfg, data = cnn_bn_data(clients=3)
+    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, 0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cohort(cfg, data, model, workers=0).workers() == 2
+        torch.set_num_threads(8)
+        assert cohort(cfg, data, model, workers=0).workers() == 3  # never more than the clients
+        assert cohort(cfg, data, model, workers=1).workers() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("algorithm", ["pfedme", "fedrep"])
+def test_runs_with_workers_equal_one_at_a_time_end_to_end(tmp_path, one_thread, algorithm):
+    """FedRep trains through Cohort.train and is scored per client, pFedMe through the gradient stream: both go
+    side by side."""
+    rows = {}
+    for workers in (1, 2):
+        cfg = load_config(None, ["dataset.name=mnist5k", "model.name=cnn_bn", "partition.num_clients=4",
+                                 "partition.samples_per_client=32", "rounds=2", "local.batch_size=16",
+                                 f"local.workers={workers}", "progress=false", "plots=false"], algorithm)
+        run = Run(cfg.for_algorithm(algorithm), prepare(cfg), tmp_path / str(workers))
+        run.run()
+        rows[workers] = [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+                         for line in (tmp_path / str(workers) / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1] == rows[2]
