@@ -247,7 +247,7 @@ def replicas(model: FlatModel, n: int) -> list[FlatModel]:
 def worker_count(model: FlatModel, hp: LocalConfig, clients: int) -> int:
     """How many clients run side by side (`local.workers`; 0: as many as PyTorch's CPU threads). A small CNN's
     step at batch 32 runs about as fast on one core as on two, so two clients on one core each beat one client on
-    two (measured 1.2-1.5x for the CNN with and without BatchNorm on 2 cores: benchmarks/bench_cnn_clients.py)."""
+    two (measured 1.44x / 1.62x for the CNN without / with BatchNorm on 2 cores: benchmarks/bench_cnn_clients.py)."""
     n = hp.workers or (torch.get_num_threads() if model.device.type == "cpu" else 1)
     return max(1, min(n, clients))
 
@@ -256,13 +256,9 @@ def side_by_side(model: FlatModel, workers: int, count: int, fn: Callable[[FlatM
     """fn(model, i) for i in range(count), `workers` at a time (`in_threads`), each worker with a replica of `model`
     of its own (`model` itself when one at a time). A client's result depends neither on which worker ran it nor
     on the order: its batches come from its own generator and its ops run on one thread."""
-    if workers == 1:
-        for i in range(count):
-            fn(model, i)
-        return
     free: queue.SimpleQueue = queue.SimpleQueue()
-    for replica in replicas(model, workers):
-        free.put(replica)
+    for own in [model] if workers == 1 else replicas(model, workers):
+        free.put(own)
 
     def task(i: int) -> None:
         mine = free.get()
