@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .config import LocalConfig
 from .data import ClientData, FederatedData
 from .errors import DataError
-from .models import FlatModel
+from .models import FlatModel, shaped
 
 T = TypeVar("T")
 
@@ -193,13 +193,13 @@ class BatchedLoss:
         if model.size != model.param_size or not hasattr(model.module, "forward_many"):
             raise ValueError("batched training needs a model with forward_many and no buffers: use the per-client path")
         self.forward_many = model.module.forward_many
-        self.names = [(n, s, shape) for n, s, shape in model.names]
+        self.names, self.channels_last = model.names, model.channels_last
 
     def __call__(self, params, x, y, mask):
         c = len(params)
         with torch.enable_grad():
             leaf = params.detach().requires_grad_(True)
-            out = self.forward_many({n: leaf[:, s].view(c, *shape) for n, s, shape in self.names}, x)
+            out = self.forward_many({n: shaped(leaf[:, s], shape, self.channels_last) for n, s, shape in self.names}, x)
             per_sample = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(c, -1)
             losses = (per_sample * mask).sum(1) / mask.sum(1).clamp_min(1.0)
             grads, = torch.autograd.grad(losses.sum(), leaf)

@@ -14,6 +14,7 @@ from pfedkit.engine import Run
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import seeded_generator
+from flat_layout import flat_params, flat_state, load_params, permuted, tensor_of  # noqa: E402
 
 SYNTH = ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=8", "model.name=dnn",
          "model.hidden=20", "dataset.synthetic.size_factor=1", "local.batch_size=20", "local.steps=6",
@@ -139,10 +140,10 @@ def test_perfedavg_first_order_step_by_hand():
     b1, b2 = perm[:20], perm[20:40]
 
     def grad_at(params, idx):
-        torch.nn.utils.vector_to_parameters(params, net.parameters())
+        load_params(params, net)
         net.zero_grad()
         torch.nn.functional.cross_entropy(net(client.x_train[idx]), client.y_train[idx]).backward()
-        return torch.cat([p.grad.flatten() for p in net.parameters()])
+        return flat_params(net, grads=True)
 
     theta = init.clone()
     inner = theta - cfg.local.lr * grad_at(theta, b1)
@@ -159,7 +160,7 @@ def plain_loss(cfg, data, dtype=torch.float64):
     def f(params, x, y):
         tensors, at = {}, 0
         for name, shape, k in shapes:
-            tensors[name] = params[at: at + k].view(shape)
+            tensors[name] = tensor_of(params[at: at + k], shape, permuted(net))
             at += k
         return torch.nn.functional.cross_entropy(torch.func.functional_call(net, tensors, (x.to(dtype),)), y)
     return f
@@ -408,8 +409,7 @@ def test_local_on_a_batchnorm_cnn_is_plain_sgd_on_the_clients_own_model():
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    want = torch.cat([p.detach().flatten() for p in net.parameters()]
-                     + [b.flatten() for n, b in net.named_buffers() if "num_batches" not in n])
+    want = flat_state(net)
     assert torch.allclose(new_states[1]["weights"], want, atol=1e-5)
     assert updates[1] == {"num_samples": client.num_train, "train_loss": pytest.approx(sum(losses) / 2, rel=1e-5)}
 

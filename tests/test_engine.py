@@ -14,6 +14,7 @@ from pfedkit.errors import FAILED_FILE, UpdateError
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import build_model
 from pfedkit.train import seeded_generator
+from flat_layout import flat_state, load_params  # noqa: E402
 
 
 def small_cfg(*extra: str, algorithms: str = "local,fedavg"):
@@ -50,8 +51,7 @@ def test_fedavg_with_one_client_equals_plain_sgd(tmp_path):
                 F.cross_entropy(net(client.x_train[idx]), client.y_train[idx]).backward()
                 opt.step()
     # the server state holds parameters then BN running statistics, in module order
-    expected = torch.cat([p.detach().flatten() for p in net.parameters()]
-                         + [b.flatten() for n, b in net.named_buffers() if "num_batches" not in n])
+    expected = flat_state(net)
     assert torch.allclose(run.state["weights"], expected, atol=1e-6)
     net.eval()
     with torch.no_grad():
@@ -169,7 +169,7 @@ def plain_scores(cfg, data, vector, cid):
     """(correct test predictions, summed train cross-entropy) of one flat parameter vector on client `cid`: a plain
     forward pass of a fresh copy of the model."""
     net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
-    torch.nn.utils.vector_to_parameters(vector, net.parameters())
+    load_params(vector, net)
     net.eval()
     c = data.client(cid)
     with torch.no_grad():

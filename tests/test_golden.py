@@ -13,6 +13,7 @@ from pfedkit.data import ClientData
 from pfedkit.models import FlatModel
 from pfedkit.models.nets import DNN, MLR
 from pfedkit.train import BatchedLoss, Objective, batch_indices, batch_plan, batched_sgd, predict, seeded_generator, sgd
+from flat_layout import flat_params, load_params  # noqa: E402
 
 
 def toy_client(n: int, seed: int, d: int = 5, classes: int = 3) -> ClientData:
@@ -85,7 +86,7 @@ def plain_sgd_loop(net, client, batches, lr, momentum=0.0, weight_decay=0.0, anc
                 p.grad.add_(p.detach() - a, alpha=mu)
         opt.step()
         losses.append(float(loss.detach()))
-    return torch.cat([p.detach().flatten() for p in net.parameters()]), losses
+    return flat_params(net), losses
 
 
 @pytest.mark.parametrize("momentum, weight_decay, mu", [(0.0, 0.0, 0.0), (0.9, 0.01, 0.0), (0.5, 0.0, 0.7)])
@@ -100,7 +101,7 @@ def test_sgd_equals_torch_optim_sgd(momentum, weight_decay, mu):
 
     torch.manual_seed(0)
     net = DNN((5,), 3, hidden=4)
-    torch.nn.utils.vector_to_parameters(start.clone(), net.parameters())
+    load_params(start.clone(), net)
     anchors = [a.view_as(p) for a, p in zip(torch.split(anchor, [p.numel() for p in net.parameters()]),
                                             net.parameters())]
     g = same_generator(3)
@@ -159,7 +160,7 @@ def test_batched_sgd_equals_one_plain_loop_per_client(momentum, weight_decay, mu
                                   Objective(prox_anchor=anchor if mu else None, prox_mu=mu))
     for i, (client, n) in enumerate(zip(clients, sizes)):
         net = DNN((5,), 3, hidden=4)
-        torch.nn.utils.vector_to_parameters(starts[i].clone(), net.parameters())
+        load_params(starts[i].clone(), net)
         anchors = [a.view_as(p) for a, p in zip(torch.split(anchor[i], [p.numel() for p in net.parameters()]),
                                                 net.parameters())]
         perm = torch.randperm(n, generator=same_generator(20 + i))
@@ -194,7 +195,7 @@ def test_one_step_reports_its_loss_and_an_anchor_without_mu_adds_nothing():
         want_loss = float(F.cross_entropy(model.module(client.x_train), client.y_train))
     loss = sgd(model, client, hp, same_generator(0), Objective(prox_anchor=start + 1.0))
     net = MLR((5,), 3)
-    torch.nn.utils.vector_to_parameters(start.clone(), net.parameters())
+    load_params(start.clone(), net)
     want, _ = plain_sgd_loop(net, client, [torch.randperm(6, generator=same_generator(0))], 0.3)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     assert torch.allclose(model.state(), want, atol=1e-6)

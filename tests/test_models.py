@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from pfedkit.config import ModelConfig
 from pfedkit.errors import ConfigError
 from pfedkit.models import FlatModel, build_model
+from flat_layout import flat_state  # noqa: E402
 
 
 @pytest.mark.parametrize("shape, features", [((1, 28, 28), 512), ((3, 32, 32), 800)])
@@ -99,3 +100,33 @@ def test_batched_loss_refuses_models_it_cannot_batch():
     from pfedkit.train import BatchedLoss
     with pytest.raises(ValueError, match="per-client path"):
         BatchedLoss(FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)))
+
+
+def test_a_bn_free_cnn_holds_its_conv_weights_channels_last_and_trains_as_the_plain_module():
+    """Without BatchNorm a conv weight (out, in, h, w) sits in the vector as (out, h, w, in) and the module sees a
+    channels_last view of it; state_dict gives the standard shapes; SGD steps equal a plain module's (float
+    tolerance: oneDNN's channels_last convolutions sum in another order). With BatchNorm the layout is standard."""
+    net = build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)
+    ref = build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)
+    fm = FlatModel(net)
+    assert fm.layout == "conv-ohwi" and net.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+    w = ref.conv2.weight.detach()  # (32, 16, 5, 5)
+    start = fm.names[2][1].start
+    assert fm.names[2][0] == "conv2.weight"
+    o, i, h, x = 3, 7, 1, 4  # entry [o, i, h, x] at offset ((o * 5 + h) * 5 + x) * 16 + i
+    assert fm.vector[start + ((o * 5 + h) * 5 + x) * 16 + i] == w[o, i, h, x]
+    for name, t in fm.state_dict(fm.vector).items():
+        torch.testing.assert_close(t, ref.state_dict()[name], rtol=0, atol=0)
+    gen = torch.Generator().manual_seed(0)
+    xs, ys = torch.rand(64, 1, 28, 28, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in range(0, 64, 16):
+        fm.grad.zero_()
+        F.cross_entropy(net(xs[b: b + 16]), ys[b: b + 16]).backward()
+        fm.vector[: fm.param_size].add_(fm.grad, alpha=-0.1)
+        opt.zero_grad()
+        F.cross_entropy(ref(xs[b: b + 16]), ys[b: b + 16]).backward()
+        opt.step()
+    torch.testing.assert_close(fm.vector, flat_state(ref), rtol=0, atol=1e-6)
+    assert FlatModel(build_model(ModelConfig("cnn_bn"), (1, 28, 28), 10, 0)).layout == "standard"
+    assert FlatModel(build_model(ModelConfig("mlr"), (1, 28, 28), 10, 0)).layout == "standard"

@@ -13,6 +13,7 @@ from pfedkit.errors import ConfigError, UpdateError
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import build_model
 from pfedkit.sampling import Sampler
+from flat_layout import load_params  # noqa: E402
 
 SYNTH = ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=12", "model.name=mlr",
          "dataset.synthetic.size_factor=1", "local.batch_size=20", "local.steps=10", "local.lr=0.05",
@@ -93,7 +94,7 @@ def test_pfedcs_comparison_on_synthetic_writes_the_papers_figures(tmp_path, mode
     net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
 
     def accuracy(vector, cid):
-        torch.nn.utils.vector_to_parameters(vector, net.parameters())
+        load_params(vector, net)
         c = data.client(cid)
         with torch.no_grad():
             return float((net(c.x_test).argmax(1) == c.y_test).double().mean())

@@ -13,6 +13,7 @@ from pfedkit.config import load_config
 from pfedkit.engine import Run, tensor_bytes
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
+from flat_layout import flat_params, load_params  # noqa: E402
 
 N = 6
 
@@ -445,7 +446,7 @@ def test_client_trains_its_payload_with_kept_layers_from_its_own_copy():
     (name,) = payload
     start[algo.slices[name]] = payload[name]
     net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
-    torch.nn.utils.vector_to_parameters(start, net.parameters())
+    load_params(start, net)
     opt = torch.optim.SGD(net.parameters(), lr=0.2)
     client = data.client(cid)
     perm = torch.randperm(client.num_train, generator=seeded_generator(cfg.seed, 1, cid))
@@ -456,7 +457,7 @@ def test_client_trains_its_payload_with_kept_layers_from_its_own_copy():
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    want = torch.cat([p.detach().flatten() for p in net.parameters()])
+    want = flat_params(net)
     assert torch.allclose(update["weights"], want, atol=1e-6) and torch.equal(cstate["weights"], update["weights"])
     assert update["num_samples"] == client.num_train
     assert update["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)

@@ -13,6 +13,7 @@ from pfedkit.config import load_config
 from pfedkit.experiment import prepare, resume_experiment, run_experiment
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, batch_indices, seeded_generator
+from flat_layout import flat_params, load_params  # noqa: E402
 
 MNIST = ["dataset.name=mnist5k", "partition.num_clients=4", "partition.classes_per_client=3",
          "partition.samples_per_client=120", "rounds=2", "clients_per_round=3", "local.epochs=1",
@@ -79,7 +80,7 @@ def reference_fedrep(model, x, y, batches_head, batches_body, lr):
             opt.zero_grad()
             F.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+    return flat_params(model)
 
 
 def test_fedrep_trains_the_head_then_the_body_and_keeps_the_head_home():
@@ -93,7 +94,7 @@ def test_fedrep_trains_the_head_then_the_body_and_keeps_the_head_home():
     assert set(updates[0]) - {"num_samples", "train_loss"} == {"conv1", "conv2", "fc1", "fc2"}
     # reference: the client's model from its own head and the server's body, trained by torch.optim.SGD
     ref = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
-    torch.nn.utils.vector_to_parameters(own_head[:model.param_size].clone(), ref.parameters())
+    load_params(own_head[:model.param_size].clone(), ref)
     gen = seeded_generator(cfg.seed, 1, 2)
     n, hp = int(data.train_sizes[2]), cfg.local
     from dataclasses import replace
@@ -133,8 +134,8 @@ def reference_fedtc(model_p, model_g, head, x, y, batches, lr, weight):
         loss = F.cross_entropy(model_p(x[idx]), y[idx]) + weight * F.cross_entropy(model_g(x[idx]), y[idx])
         loss.backward()
         opt.step()
-    personal = torch.cat([p.detach().flatten() for p in model_p.parameters()])
-    shared = torch.cat([p.detach().flatten() for n, p in model_g.named_parameters()])
+    personal = flat_params(model_p)
+    shared = flat_params(model_g)
     return personal, shared
 
 
@@ -161,8 +162,8 @@ def test_fedtc_local_rule_is_the_two_classifier_loss_and_keeps_the_personal_clas
         ref_g = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
         personal = init[:model.param_size].clone()
         personal[head] = own[:model.param_size][head]
-        torch.nn.utils.vector_to_parameters(personal, ref_p.parameters())
-        torch.nn.utils.vector_to_parameters(init[:model.param_size].clone(), ref_g.parameters())
+        load_params(personal, ref_p)
+        load_params(init[:model.param_size].clone(), ref_g)
         batches = list(batch_indices(int(data.train_sizes[c]), cfg.local, seeded_generator(cfg.seed, 1, c),
                                      torch.device("cpu")))
         d = data.client(c)

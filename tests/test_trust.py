@@ -119,6 +119,27 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path):
     assert "server.weights" in line and "(5,)" in line
 
 
+def test_a_checkpoint_of_another_parameter_layout_is_refused_and_a_standard_one_still_resumes(tmp_path):
+    """A BN-free CNN's vectors hold conv weights as (out, h, w, in): a checkpoint written before that (no layout
+    recorded: standard order, the same shapes) would load without complaint and train on scrambled filters, so it is
+    refused in one line; the MLR's standard layout is what old checkpoints hold, so theirs still resume."""
+    out = interrupted_run(tmp_path, "dataset.name=mnist5k", "model.name=cnn", "partition.samples_per_client=40",
+                          "rounds=3", "checkpoint_every=1")
+    ckpt = out / "fedavg" / "checkpoint.pt"
+    ck = torch.load(ckpt, weights_only=True)
+    assert ck["layout"] == "conv-ohwi"
+    del ck["layout"]
+    torch.save(ck, ckpt)
+    line = one_line(pfedkit("run", "--resume", str(out)))
+    assert "parameter layout 'standard'" in line and "'conv-ohwi'" in line and "checkpoint.pt" in line
+    old = interrupted_run(tmp_path / "mlr")
+    ck = torch.load(old / "fedavg" / "checkpoint.pt", weights_only=True)
+    assert ck["layout"] == "standard"
+    del ck["layout"]
+    torch.save(ck, old / "fedavg" / "checkpoint.pt")
+    assert pfedkit("run", "--resume", str(old)).returncode == 0
+
+
 def test_resuming_a_run_folder_without_a_checkpoint_does_not_nest_a_fresh_run(tmp_path):
     out = interrupted_run(tmp_path, "checkpoint_every=0")  # only the last round would have written one
     run_dir = out / "fedavg"

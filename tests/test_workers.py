@@ -16,6 +16,7 @@ from pfedkit.engine import TIMING_KEYS, Run
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, seeded_generator
+from flat_layout import flat_state  # noqa: E402
 
 
 @pytest.fixture
@@ -65,8 +66,7 @@ def test_side_by_side_training_equals_plain_loop_per_client(one_thread):
             loss.backward()
             opt.step()
             batch_losses.append(float(loss.detach()))
-        expected = torch.cat([p.detach().flatten() for p in ref.parameters()]
-                             + [b.flatten() for n, b in ref.named_buffers() if "num_batches" not in n])
+        expected = flat_state(ref)
         assert torch.allclose(trained[c], expected, atol=1e-5), c  # parameters and this client's BN statistics
         assert float(losses[c]) == pytest.approx(sum(batch_losses) / len(batch_losses), rel=1e-5)
     # each client kept its own BN running statistics (they differ between clients)

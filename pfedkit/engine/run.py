@@ -191,6 +191,11 @@ class Run:
         if not isinstance(ck, dict) or not keys <= set(ck):
             raise PfedkitError(f"cannot resume from {path}: not a pfedkit checkpoint (no {', '.join(sorted(keys))}); "
                                f"{again}")
+        layout = ck.get("layout", "standard")  # checkpoints before the layout was recorded: standard
+        if layout != self.model.layout:
+            raise PfedkitError(f"cannot resume from {path}: its vectors are in parameter layout {str(layout)[:40]!r}, "
+                               f"this pfedkit holds this model in {self.model.layout!r} (a checkpoint of another "
+                               f"pfedkit version); {again}")
         mine, theirs = flatten_config(self.cfg.to_dict()), flatten_config(ck["config"]) if isinstance(
             ck["config"], dict) else {}
         changed = [k for k in sorted(set(mine) | set(theirs)) if k not in RESUMABLE_KEYS
@@ -221,7 +226,7 @@ class Run:
         buf = io.BytesIO()
         torch.save({"server": self.server.state, "clients": self.clients.state(), "sampler": self.server.sampler_state,
                     "metrics": self.metrics, "totals": self.totals,
-                    "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict()}, buf)
+                    "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(), "layout": self.model.layout}, buf)
         atomic_write(self.ckpt_path, buf.getvalue())
 
     # -- the loop -----------------------------------------------------------------------------------------------
