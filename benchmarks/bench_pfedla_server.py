@@ -2,13 +2,15 @@
 
 For N = 10, 100, 1000 clients (10 % sampled per round, all when N = 10) and an MLR-sized and a CNN-sized model,
 prints seconds per round and memory: the server state (Theta, N x D, plus the hypernetworks, whose heads hold
-N x layers x N x hidden weights by the paper's design) and the working memory of a round on top of it (peak RSS
+N x layers x N x hidden weights by the paper's design, and Adam's two moments of them; `--hn-dtype bfloat16` stores
+those in half the bytes) and the working memory of a round on top of it (peak RSS
 minus RSS before the round). Each configuration runs in a fresh process so peaks do not mix.
 
 With --engine it also runs the real engine on Fashion-MNIST with the paper's 100-client protocol (10 % per
 round, 20 local epochs) and prints the server's share of the round's time (target: <= 5 %).
 
-    python benchmarks/bench_pfedla_server.py [--clients 10,100,1000] [--rounds 3] [--engine]
+    python benchmarks/bench_pfedla_server.py [--clients 10,100,1000] [--rounds 3] [--hn-dtype float32,bfloat16]
+        [--engine]
 """
 from __future__ import annotations
 
@@ -28,18 +30,29 @@ def rss_mb() -> float:
         return int(fh.read().split()[1]) * resource.getpagesize() / 1e6
 
 
-def one(model: str, n: int, rounds: int) -> dict:
+def tensors_mb(obj) -> float:
+    """MB held by every tensor in a (nested) state."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size() / 1e6
+    if isinstance(obj, dict):
+        return sum(tensors_mb(v) for v in obj.values())
+    return 0.0
+
+
+def one(model: str, n: int, rounds: int, hn_dtype: str = "float32") -> dict:
     import torch
 
     from pfedkit.algorithms.pfedla import PFedLA
     from pfedkit.config import load_config
     from pfedkit.models import FlatModel, build_model
 
-    cfg = load_config(None, [f"model.name={SHAPES[model][0]}", f"partition.num_clients={n}"])
+    cfg = load_config(None, [f"model.name={SHAPES[model][0]}", f"partition.num_clients={n}",
+                             f"pfedla.hn_dtype={hn_dtype}"])
     fm = FlatModel(build_model(cfg.model, SHAPES[model][1], 10, 0))
     algo = PFedLA(cfg.params("pfedla"), fm, n, cfg.seed)
     state = algo.init_server(fm.state())
-    state_mb = (state["theta"].numel() + sum(v.numel() for v in state["hn"].values())) * 4 / 1e6
+    state_mb = tensors_mb(state)  # Theta, the hypernetworks and Adam's two moments
     per_round = n if n <= 10 else n // 10
     gen = torch.Generator().manual_seed(0)
     before = rss_mb()
@@ -92,21 +105,22 @@ def main() -> None:
     ap.add_argument("--clients", default="10,100,1000")
     ap.add_argument("--models", default="mlr,cnn")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hn-dtype", default="float32", help="comma-separated: float32, bfloat16")
     ap.add_argument("--engine", action="store_true", help="also measure the server's share in the real engine")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        model, n = args.one.split(":")
-        print(json.dumps(one(model, int(n), args.rounds)))
+        model, n, dtype = args.one.split(":")
+        print(json.dumps(one(model, int(n), args.rounds, dtype)))
         return
-    print(f"{'model':>5} {'N':>5} {'sampled':>7} {'params':>7} {'s/round':>8} {'Theta MB':>9} "
+    print(f"{'model':>5} {'heads':>8} {'N':>5} {'sampled':>7} {'params':>7} {'s/round':>8} {'Theta MB':>9} "
           f"{'state MB':>9} {'round MB':>9} {'round MB/N':>10}")
     for model in args.models.split(","):
-        for n in map(int, args.clients.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--one", f"{model}:{n}", "--rounds", str(args.rounds)],
-                                 capture_output=True, text=True, check=True)
+        for n, dtype in [(n, d) for n in map(int, args.clients.split(",")) for d in args.hn_dtype.split(",")]:
+            out = subprocess.run([sys.executable, __file__, "--one", f"{model}:{n}:{dtype}", "--rounds",
+                                  str(args.rounds)], capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{model:>5} {n:>5} {r['sampled']:>7} {r['params']:>7} {r['server_s']:>8.3f} "
+            print(f"{model:>5} {dtype:>8} {n:>5} {r['sampled']:>7} {r['params']:>7} {r['server_s']:>8.3f} "
                   f"{r['theta_mb']:>9.1f} {r['state_mb']:>9.1f} {r['round_mb']:>9.1f} "
                   f"{r['round_mb'] / n:>10.3f}")
     if args.engine:

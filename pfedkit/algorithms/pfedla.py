@@ -55,6 +55,10 @@ class PFedLAParams:
     sequential: bool = False  # the reference code's one-client-at-a-time round
     granularity: str = choices("module", "block", "tensor", default="module")
     save_alpha: bool = True  # log every client's weights at each evaluation (alpha.npz)
+    # storage of the hypernetworks and their optimizer state (N x layers x N x hidden heads: 2 GB in float32 at
+    # N = 1,000): bfloat16 halves it (float32's range, so Adam's second moments do not underflow); the sampled
+    # clients' rows are computed in the model's dtype and rounded only when stored (docs/pfedla.md, "Memory")
+    hn_dtype: str = choices("float32", "bfloat16", default="float32")
 
 
 @dataclass
@@ -94,6 +98,10 @@ class PFedLA(Algorithm):
         if params.hn_optimizer != "sgd" and params.hn_momentum > 0:
             raise ConfigError(f"config key '{self.name}.hn_momentum': {params.hn_momentum} applies to "
                               f"hn_optimizer: sgd only; allowed with {params.hn_optimizer}: 0")
+        if params.hn_dtype == "bfloat16" and params.hn_optimizer == "sgd":
+            # plain SGD's steps shrink like 1/N^2: below bfloat16's half-ulp of the heads they would round away
+            raise ConfigError(f"config key '{self.name}.hn_dtype': bfloat16 needs hn_optimizer: adam (plain SGD's "
+                              f"small steps round away in bfloat16); allowed with sgd: float32")
 
     # -- hypernetworks -----------------------------------------------------------------------------------------
     def init_hypernetworks(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -110,7 +118,15 @@ class PFedLA(Algorithm):
         # U(0, 1) heads: kaiming init can give all-negative outputs, i.e. all-zero weights after the ReLU (specs §1.2)
         hn["head_w"] = torch.rand(n, layers, n, h, generator=gen)
         hn["head_b"] = torch.zeros(n, layers, n)
-        return {k: v.to(device=like.device, dtype=like.dtype) for k, v in hn.items()}
+        return {k: v.to(device=like.device, dtype=self.storage_dtype(like)) for k, v in hn.items()}
+
+    def storage_dtype(self, like: torch.Tensor) -> torch.dtype:
+        return torch.bfloat16 if self.params.hn_dtype == "bfloat16" else like.dtype
+
+    @staticmethod
+    def rows(hn: dict[str, torch.Tensor], idx: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The given clients' hypernetworks, in the compute dtype (a copy: the stored rows are never computed on)."""
+        return {k: v[idx].to(dtype) for k, v in hn.items()}
 
     @staticmethod
     def raw_weights(hn: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -144,7 +160,8 @@ class PFedLA(Algorithm):
     def _weights_of(self, state: State, cids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         idx = torch.as_tensor(cids, device=state["theta"].device)
         with torch.no_grad():
-            alpha, retained = self.mixing_weights(self.raw_weights({k: v[idx] for k, v in state["hn"].items()}), idx)
+            alpha, retained = self.mixing_weights(self.raw_weights(self.rows(state["hn"], idx, state["theta"].dtype)),
+                                                  idx)
         return idx, alpha, retained
 
     # -- protocol ----------------------------------------------------------------------------------------------
@@ -188,7 +205,7 @@ class PFedLA(Algorithm):
         product of their personalized parameters with delta = sent - trained."""
         theta = state["theta"]
         idx = torch.as_tensor(cids, device=theta.device)
-        sub = {k: v[idx].requires_grad_(True) for k, v in state["hn"].items()}
+        sub = {k: v.requires_grad_(True) for k, v in self.rows(state["hn"], idx, theta.dtype).items()}
         alpha, _ = self.mixing_weights(self.raw_weights(sub), idx)  # the weights the payloads were built with
         with torch.no_grad():
             delta = self.mix(theta, alpha) - trained[:, : self.model.param_size]  # old - new
@@ -213,7 +230,7 @@ class PFedLA(Algorithm):
                     step = grads[k]
                     if p.hn_momentum > 0:
                         velocity = state["hn_velocity"][k]
-                        velocity[idx] = p.hn_momentum * velocity[idx] + step
+                        velocity[idx] = (p.hn_momentum * velocity[idx] + step).to(v.dtype)
                         step = velocity[idx]
                     v[idx] -= p.hn_lr * step
             state["theta"][idx] = trained
@@ -232,7 +249,7 @@ class PFedLA(Algorithm):
             shape = (-1,) + (1,) * (g.dim() - 1)  # t per client, broadcast over the row
             m = b1 * state["hn_adam_m"][k][idx] + (1 - b1) * g
             s2 = b2 * state["hn_adam_v"][k][idx] + (1 - b2) * g * g
-            state["hn_adam_m"][k][idx], state["hn_adam_v"][k][idx] = m, s2
+            state["hn_adam_m"][k][idx], state["hn_adam_v"][k][idx] = m.to(v.dtype), s2.to(v.dtype)  # rounded here
             m_hat = m / (1 - b1 ** t).view(shape)
             s2_hat = s2 / (1 - b2 ** t).view(shape)
             v[idx] -= self.params.hn_lr * m_hat / (s2_hat.sqrt() + eps)
