@@ -13,9 +13,8 @@ the server averages them as FedAvg. Global model (GM): (E_g, C_g). Personalized 
 extractor with the client's own classifier (E_g, C_i), what a client holds right after receiving the global model
 (`personal_model: local_extractor` evaluates (E_i, C_i) as the client ended its last round instead).
 
-Both losses see the same batch: each step takes the gradient of the two models (E, C_i) and (E, C_g) on the batch
-from the cohort's stream, in lockstep for the dense models. (With BatchNorm in the extractor its running statistics
-see each batch twice.) With MLR the extractor is empty: FedTC is then FedAvg's classifier beside a local one.
+Both losses see the same batch: each step is one forward and backward of the extractor with both classifiers on its
+features (train.two_head_gradient; BatchNorm statistics see each batch once), in lockstep for the dense models. With MLR the extractor is empty: FedTC is then FedAvg's classifier beside a local one.
 """
 from __future__ import annotations
 
@@ -48,7 +47,8 @@ class FedTC(FedBN):
     def __init__(self, params, model, num_clients, seed=0):
         super().__init__(params, model, num_clients, seed)
         self.body = Split(model, personal_layers(model, "head"))  # the extractor's parts
-        self.head = self.split.param_mask(personal_layers(model, "head")).bool()
+        (head,) = model.head_layers  # the last linear layer: C_i, and C_g beside it
+        self.head_slice = head.params
 
     def with_global_extractor(self, payloads: list[Message], cstates: list[State]) -> list[torch.Tensor]:
         """(E_g, C_i): each client's own weights with the extractor parts of the global model it received."""
@@ -60,17 +60,18 @@ class FedTC(FedBN):
         own = torch.stack(self.with_global_extractor(payloads, cstates))
         glob = self.starts(payloads, cstates)  # (E_g, C_g)
         stream = cohort.stream(cohort.hp, own[:, P:] if own.shape[1] > P else None)
-        personal, shared = own[:, :P].clone(), glob[:, :P].clone()  # (E, C_i) and (E, C_g), E the same
+        personal, shared_head = own[:, :P].clone(), glob[:, self.head_slice].clone()  # (E, C_i) and C_g
         loss_sum, steps = torch.zeros(len(own), dtype=torch.float64), torch.zeros(len(own))
         for t in range(stream.steps):
             active = stream.active(t).to(own.dtype)[:, None]
-            g_personal, loss = stream.gradient(personal, t)
-            g_shared, _ = stream.gradient(shared, t)
-            body_step = torch.where(self.head, 0.0, g_personal + gw * g_shared)
-            personal -= lr * active * torch.where(self.head, g_personal, body_step)
-            shared -= lr * active * torch.where(self.head, gw * g_shared, body_step)
+            # E takes the sum of both classifiers' gradients, each classifier its own: one pass of E
+            g, g_head, loss = stream.two_head_gradient(personal, shared_head, t, gw)
+            personal -= lr * active * g
+            shared_head -= lr * active * g_head
             loss_sum += active[:, 0].double() * loss  # the personal model's cross-entropy, as the others report
             steps += active[:, 0]
+        shared = personal.clone()
+        shared[:, self.head_slice] = shared_head  # (E, C_g), E the same
         if stream.buffers is not None:
             personal, shared = torch.cat([personal, stream.buffers], 1), torch.cat([shared, stream.buffers], 1)
         losses = loss_sum / steps.clamp_min(1).double()
