@@ -10,7 +10,9 @@ Candidates:
   bare            nn.Module + torch.optim.SGD, one client after another, PyTorch's threads (the reference)
   bare-1thread    the same on one intra-op thread
   engine-1by1     pfedkit's Cohort, one client after another (local.workers=1)
-  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0)
+  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0);
+                  both engine rows hold a BN-free model's conv weights channels_last (models/layers.py), a BN model's
+                  in the standard layout (channels_last BatchNorm sums its gradients less exactly)
   channels_last   the bare loop with channels_last inputs and weights
   flush-denormal  the bare loop with denormals flushed to zero
   no-mkldnn       the bare loop on PyTorch's own convolutions (oneDNN off)
