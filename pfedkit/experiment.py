@@ -155,6 +155,7 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
         if summary is None:  # stopped early on request
             return summaries
         summaries.append(summary)
+        run.release()  # one run's training state in memory at a time
         if cfg.plots:
             plot_run(run_dir)
     header = f"# Comparison on {data.summary()}\n\nConfig: `{out / 'config.yaml'}`; seed {cfg.seed}, " \

@@ -228,3 +228,25 @@ def test_metrics_are_the_defined_statistics_of_the_clients_accuracies(tmp_path, 
     for key, value in expected.items():
         assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
         assert summary[key] == row[key], key
+
+
+def test_a_comparison_holds_one_finished_runs_training_state_at_a_time(tmp_path, monkeypatch):
+    """run_experiment builds every algorithm's Run up front (to check all keys before writing): once a run has
+    written its summary its server state (pFedLA's: 6.8 GB at N = 1,000) and client states are let go, so the
+    next run does not start beside it. The runs are watched through the real build_runs (a spy, nothing faked)."""
+    import pfedkit.experiment as experiment
+    built = []
+    real_build = experiment.build_runs
+
+    def spy(*args, **kwargs):
+        runs = real_build(*args, **kwargs)
+        built.extend(runs)
+        return runs
+    monkeypatch.setattr(experiment, "build_runs", spy)
+    run_experiment(small_cfg("rounds=2", algorithms="fedavg,pfedla"), tmp_path, log=lambda s: None)
+    assert len(built) == 2
+    for run in built:
+        assert run.totals["round"] == 2  # it trained (so it held a state) ...
+        assert run.server.state is None and run.server.sampler_state is None and run.clients.cstates == []  # ... and let go
+    assert (tmp_path / "fedavg" / "summary.json").is_file() and (tmp_path / "pfedla" / "summary.json").is_file()
+    assert metric_rows(tmp_path / "pfedla")[-1]["personalized_acc"] > 0
