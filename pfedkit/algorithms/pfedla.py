@@ -157,11 +157,23 @@ class PFedLA(Algorithm):
             out[:, s] = alpha[:, l, :] @ theta[:, s]
         return out
 
+    ROWS_AT_ONCE = 64  # clients whose hypernetworks one no-grad forward reads (128 MB of heads at N = 1,000)
+
     def _weights_of(self, state: State, cids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The given clients' alpha and kept-layer mask, without autograd: a consecutive run of clients (an
+        evaluation chunk, all clients for alpha.npz) is read in place, in parts of ROWS_AT_ONCE clients; gathering
+        all 1,000 clients' heads first was a 2 GB copy, 4.4 s of an evaluation at N = 1,000 (measured)."""
         idx = torch.as_tensor(cids, device=state["theta"].device)
+        first = cids[0] if cids else 0
+        consecutive = list(cids) == list(range(first, first + len(cids)))
+        dtype, parts = state["theta"].dtype, []
         with torch.no_grad():
-            alpha, retained = self.mixing_weights(self.raw_weights(self.rows(state["hn"], idx, state["theta"].dtype)),
-                                                  idx)
+            for a in range(0, len(cids), self.ROWS_AT_ONCE):
+                end = min(a + self.ROWS_AT_ONCE, len(cids))
+                part = slice(first + a, first + end) if consecutive else idx[a: end]
+                parts.append(self.raw_weights({k: v[part].to(dtype) for k, v in state["hn"].items()}))
+            raw = torch.cat(parts) if parts else state["hn"]["head_b"][:0].to(dtype)
+            alpha, retained = self.mixing_weights(raw, idx)
         return idx, alpha, retained
 
     # -- protocol ----------------------------------------------------------------------------------------------
