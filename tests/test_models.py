@@ -130,3 +130,28 @@ def test_a_bn_free_cnn_holds_its_conv_weights_channels_last_and_trains_as_the_pl
     torch.testing.assert_close(fm.vector, flat_state(ref), rtol=0, atol=1e-6)
     assert FlatModel(build_model(ModelConfig("cnn_bn"), (1, 28, 28), 10, 0)).layout == "standard"
     assert FlatModel(build_model(ModelConfig("mlr"), (1, 28, 28), 10, 0)).layout == "standard"
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 24, 24), (2, 5, 9, 7), (1, 2, 3, 4)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_evaluation_max_pool_is_the_windows_maximum(shape, channels_last):
+    """The no-grad pooling of the CNNs against a plain loop over every 2x2 window (the odd last row/column left
+    out): exact values, ties (ReLU zeros), a NaN propagated; in both memory layouts; and F.max_pool2d with autograd."""
+    from pfedkit.models.nets import max_pool2x2
+    gen = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(shape, generator=gen)).round(decimals=1)  # many ties: zeros and repeated values
+    x[0, 0, 0, 0] = float("nan")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    n, c, h, w = shape
+    expected = torch.empty(n, c, h // 2, w // 2)
+    for i in range(h // 2):
+        for j in range(w // 2):
+            window = x[:, :, 2 * i: 2 * i + 2, 2 * j: 2 * j + 2].reshape(n, c, 4)
+            expected[:, :, i, j] = torch.where(window.isnan().any(-1), float("nan"), window.amax(-1))
+    with torch.no_grad():
+        got = max_pool2x2(x)
+    torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=0)
+    assert got[0, 0, 0, 0].isnan()
+    leaf = x.clone().requires_grad_(True)
+    torch.testing.assert_close(max_pool2x2(leaf), F.max_pool2d(x, 2), equal_nan=True, rtol=0, atol=0)
