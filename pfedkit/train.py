@@ -171,13 +171,16 @@ def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor,
 
 def in_threads(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
     """The tasks' results in order, `workers` at a time, each worker thread on one intra-op thread (the ops release
-    the GIL, so the threads run on separate cores); a task's error is re-raised here. workers <= 1: in this thread."""
+    the GIL, so the threads run on separate cores) and under the caller's grad mode; a task's error is re-raised
+    here. workers <= 1: in this thread."""
     if workers <= 1:
         return [task() for task in tasks]
+    grad_mode = torch.is_grad_enabled()  # thread-local: a new thread would run with autograd on
 
     def one_thread(task: Callable[[], T]) -> T:
         torch.set_num_threads(1)  # this worker thread's ops only
-        return task()
+        with torch.set_grad_enabled(grad_mode):  # e.g. predict's no_grad: without it the chunks built graphs
+            return task()
     threads = torch.get_num_threads()
     try:
         with ThreadPoolExecutor(workers) as pool:
