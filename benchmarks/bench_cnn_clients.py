@@ -16,6 +16,11 @@ Candidates:
   channels_last   the bare loop with channels_last inputs and weights
   flush-denormal  the bare loop with denormals flushed to zero
   no-mkldnn       the bare loop on PyTorch's own convolutions (oneDNN off)
+  engine-3workers the engine with 3 clients side by side on the 2 cores (oversubscribed)
+  hand-pool       the bare loop with a hand-written training max pool: the maxima of the four strided quarters,
+                  PyTorch's indices computed from them, max_pool2d's own backward
+  hand-bn         the bare loop with BatchNorm as an autograd Function of plain ops (var_mean, addcmul; its
+                  backward's sums by einsum; BatchNorm models only)
   grouped         all clients in lockstep as grouped convolutions + batched linear layers (no BatchNorm only)
   compiled        the bare loop with torch.compile'd forward (--compile: ~40 s to compile)
 """
@@ -31,6 +36,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import pfedkit.models.nets as nets
 from pfedkit.config import load_config
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
@@ -83,6 +89,87 @@ def flush_denormal():
         yield
     finally:
         torch.set_flush_denormal(False)
+
+
+def quarters(x):
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    return x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2], x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2]
+
+
+class HandPool(torch.autograd.Function):
+    """2x2 max pooling: the maxima of the quarters, and the flat in-plane index of each window's first maximum
+    (max_pool2d's tie rule) so that max_pool2d's own backward can run."""
+
+    @staticmethod
+    def forward(ctx, x):
+        a, b, c, d = quarters(x)
+        top, bottom = torch.maximum(a, b), torch.maximum(c, d)
+        lower, width = bottom > top, x.shape[-1]
+        rows = torch.arange(x.shape[-2] // 2, device=x.device)[:, None] * 2 * width
+        cols = torch.arange(x.shape[-1] // 2, device=x.device)[None, :] * 2
+        ctx.save_for_backward(x, rows + cols + lower * width + torch.where(lower, d > c, b > a))
+        return torch.maximum(top, bottom)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, idx = ctx.saved_tensors
+        return torch.ops.aten.max_pool2d_with_indices_backward(g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+
+
+class HandBatchNorm(torch.autograd.Function):
+    """Training-mode BatchNorm2d of plain ops: y = x * scale + shift per channel; dx = dy * scale + x * coef + const."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        var, mean = torch.var_mean(x, dim=(0, 2, 3), unbiased=False)
+        invstd = (var + eps).rsqrt()
+        scale = weight * invstd
+        ctx.save_for_backward(x, mean, invstd, weight)
+        return torch.addcmul((bias - mean * scale).view(1, -1, 1, 1), x, scale.view(1, -1, 1, 1))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, mean, invstd, weight = ctx.saved_tensors
+        n = x.numel() // x.shape[1]
+        sum_g, sum_gx = g.sum((0, 2, 3)), torch.einsum("nchw,nchw->c", g, x)
+        sum_g_xhat = invstd * (sum_gx - mean * sum_g)
+        scale = weight * invstd
+        coef = -scale * invstd * sum_g_xhat / n
+        const = -scale * sum_g / n - coef * mean
+        dx = torch.addcmul(const.view(1, -1, 1, 1), g, scale.view(1, -1, 1, 1)).addcmul_(x, coef.view(1, -1, 1, 1))
+        return dx, sum_g_xhat, sum_g, None
+
+
+class HandBN(torch.nn.Module):
+    def __init__(self, bn: torch.nn.BatchNorm2d):
+        super().__init__()
+        self.weight, self.bias, self.eps, self.momentum = bn.weight, bn.bias, bn.eps, bn.momentum
+        self.register_buffer("running_mean", bn.running_mean.clone())
+        self.register_buffer("running_var", bn.running_var.clone())
+
+    def forward(self, x):
+        with torch.no_grad():  # the running statistics, as BatchNorm2d keeps them (unbiased variance)
+            var, mean = torch.var_mean(x, dim=(0, 2, 3))
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var, self.momentum)
+        return HandBatchNorm.apply(x, self.weight, self.bias, self.eps)
+
+
+@contextlib.contextmanager
+def hand_pool():
+    """The CNNs' pooling swapped for HandPool while the candidate runs."""
+    kept = nets.max_pool2x2
+    nets.max_pool2x2 = lambda x: HandPool.apply(x) if torch.is_grad_enabled() and x.requires_grad else kept(x)
+    try:
+        yield
+    finally:
+        nets.max_pool2x2 = kept
+
+
+def with_hand_bn(net):
+    out = copy.deepcopy(net)
+    out.bn1, out.bn2 = HandBN(out.bn1), HandBN(out.bn2)
+    return out
 
 
 def grouped(net, work, lr):
@@ -156,7 +243,12 @@ def main() -> None:
             "channels_last": (None, lambda: bare(net, work, lr, memory_format=torch.channels_last)),
             "flush-denormal": (flush_denormal, plain),
             "no-mkldnn": (lambda: torch.backends.mkldnn.flags(enabled=False), plain),
+            "engine-3workers": (None, engine(cfg, data, 3)),
+            "hand-pool": (hand_pool, plain),
         }
+        if name != "cnn":
+            hand = with_hand_bn(net)
+            candidates["hand-bn"] = (None, lambda: bare(hand, work, lr))
         if name == "cnn":
             candidates["grouped"] = (None, lambda: grouped(net, work, lr))
         if args.compile:
