@@ -110,7 +110,9 @@ def test_batched_server_equals_a_plain_per_client_loop(cls, k, monkeypatch):
     personalized = list(algo.personalized(state, list(range(N))))
     gen = torch.Generator().manual_seed(2)
     trained = state["theta"][cids] + 0.01 * torch.randn(len(cids), fm.size, generator=gen, dtype=torch.float64)
-    grads = algo.hn_gradients(state, cids, trained)
+    grads, rows = algo.hn_gradients(state, cids, trained)
+    for key, row in rows.items():  # the rows the gradients were taken at: the stored ones (compute dtype)
+        assert torch.equal(row, state["hn"][key][cids].to(row.dtype)), key
     for r, cid in enumerate(cids):
         vector, alpha, retained, ref_grads = reference_round(algo, state, cid, trained[r], k)
         for l, (name, s) in enumerate(algo.groups):  # what was sent: exactly the non-retained layers

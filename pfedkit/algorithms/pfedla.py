@@ -212,9 +212,12 @@ class PFedLA(Algorithm):
         which the server's Theta row also holds)."""
         return list(self.starts(payloads, cstates))
 
-    def hn_gradients(self, state: State, cids: list[int], trained: torch.Tensor) -> dict[str, torch.Tensor]:
+    def hn_gradients(self, state: State, cids: list[int],
+                     trained: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Gradients of the given clients' hypernetworks (rows of the stacked tensors): the vector-Jacobian
-        product of their personalized parameters with delta = sent - trained."""
+        product of their personalized parameters with delta = sent - trained; and the rows they were taken at (the
+        gathered copy in the compute dtype, which the optimizer step then updates: one 200 MB gather a tensor
+        fewer at N = 1,000)."""
         theta = state["theta"]
         idx = torch.as_tensor(cids, device=theta.device)
         sub = {k: v.requires_grad_(True) for k, v in self.rows(state["hn"], idx, theta.dtype).items()}
@@ -226,17 +229,17 @@ class PFedLA(Algorithm):
             # d<delta, theta_bar>/d alpha_l = Delta_l Theta_l^T: (clients, P_l) x (P_l, N), one product per layer
             grad_alpha = torch.stack([delta[:, s] @ theta[:, s].T for _, s in self.groups], dim=1)
         alpha.backward(grad_alpha)  # kept layers are constants (one-hot): their heads get no gradient
-        return {k: v.grad for k, v in sub.items()}
+        return {k: v.grad for k, v in sub.items()}, {k: v.detach() for k, v in sub.items()}
 
     def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
         # every trained client updates its own hypernetwork; the sampler's weights play no part
         cids, p = list(updates), self.params
         trained = torch.stack([updates[c]["weights"] for c in cids])
-        grads = self.hn_gradients(state, cids, trained)
+        grads, rows = self.hn_gradients(state, cids, trained)
         idx = torch.as_tensor(cids, device=trained.device)
         with torch.no_grad():
             if p.hn_optimizer == "adam":
-                self.adam_step(state, idx, grads)
+                self.adam_step(state, idx, grads, rows)
             else:
                 for k, v in state["hn"].items():  # SGD per client: each row has its own (optional) momentum
                     step = grads[k]
@@ -250,9 +253,11 @@ class PFedLA(Algorithm):
 
     ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
 
-    def adam_step(self, state: State, idx: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
+    def adam_step(self, state: State, idx: torch.Tensor, grads: dict[str, torch.Tensor],
+                  rows: dict[str, torch.Tensor]) -> None:
         """Adam on the given clients' rows (Kingma & Ba, bias-corrected), each client with its own moments and
-        step count: a client is stepped only when it trains, so its t counts its own rounds."""
+        step count: a client is stepped only when it trains, so its t counts its own rounds. `rows` are those
+        clients' hypernetworks in the compute dtype (hn_gradients' copy), updated in place and stored back."""
         (b1, b2), eps = self.ADAM_BETAS, self.ADAM_EPS
         t = state["hn_steps"][idx] + 1
         state["hn_steps"][idx] = t
@@ -269,7 +274,7 @@ class PFedLA(Algorithm):
             second.index_copy_(0, idx, s2.to(second.dtype))
             denom = s2.div_((1 - b2 ** t).view(shape)).sqrt_().add_(eps)  # sqrt(s2_hat) + eps
             step = m.div_((1 - b1 ** t).view(shape)).div_(denom)  # m_hat / (sqrt(s2_hat) + eps)
-            v.index_copy_(0, idx, v.index_select(0, idx).to(g.dtype).sub_(step, alpha=self.params.hn_lr).to(v.dtype))
+            v.index_copy_(0, idx, rows[k].sub_(step, alpha=self.params.hn_lr).to(v.dtype))
 
     def personalized(self, state: State, cids: list[int]) -> torch.Tensor:
         """The vectors the given clients are evaluated with, as the server sees them: the mixed parameters over each
