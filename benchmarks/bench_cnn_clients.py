@@ -91,18 +91,13 @@ def flush_denormal():
         torch.set_flush_denormal(False)
 
 
-def quarters(x):
-    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
-    return x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2], x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2]
-
-
 class HandPool(torch.autograd.Function):
     """2x2 max pooling: the maxima of the quarters, and the flat in-plane index of each window's first maximum
     (max_pool2d's tie rule) so that max_pool2d's own backward can run."""
 
     @staticmethod
     def forward(ctx, x):
-        a, b, c, d = quarters(x)
+        a, b, c, d = nets.quarters(x)
         top, bottom = torch.maximum(a, b), torch.maximum(c, d)
         lower, width = bottom > top, x.shape[-1]
         rows = torch.arange(x.shape[-2] // 2, device=x.device)[:, None] * 2 * width
@@ -120,8 +115,7 @@ class HandBatchNorm(torch.autograd.Function):
     """Training-mode BatchNorm2d of plain ops: y = x * scale + shift per channel; dx = dy * scale + x * coef + const."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        var, mean = torch.var_mean(x, dim=(0, 2, 3), unbiased=False)
+    def forward(ctx, x, weight, bias, eps, mean, var):
         invstd = (var + eps).rsqrt()
         scale = weight * invstd
         ctx.save_for_backward(x, mean, invstd, weight)
@@ -137,7 +131,7 @@ class HandBatchNorm(torch.autograd.Function):
         coef = -scale * invstd * sum_g_xhat / n
         const = -scale * sum_g / n - coef * mean
         dx = torch.addcmul(const.view(1, -1, 1, 1), g, scale.view(1, -1, 1, 1)).addcmul_(x, coef.view(1, -1, 1, 1))
-        return dx, sum_g_xhat, sum_g, None
+        return dx, sum_g_xhat, sum_g, None, None, None  # mean and var: batch statistics, in the formula above
 
 
 class HandBN(torch.nn.Module):
@@ -148,11 +142,12 @@ class HandBN(torch.nn.Module):
         self.register_buffer("running_var", bn.running_var.clone())
 
     def forward(self, x):
-        with torch.no_grad():  # the running statistics, as BatchNorm2d keeps them (unbiased variance)
-            var, mean = torch.var_mean(x, dim=(0, 2, 3))
+        with torch.no_grad():  # the batch statistics once, for the output and the running ones (unbiased variance)
+            var, mean = torch.var_mean(x, dim=(0, 2, 3), unbiased=False)
+            n = x.numel() // x.shape[1]
             self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var, self.momentum)
-        return HandBatchNorm.apply(x, self.weight, self.bias, self.eps)
+            self.running_var.lerp_(var * n / (n - 1), self.momentum)
+        return HandBatchNorm.apply(x, self.weight, self.bias, self.eps, mean, var)
 
 
 @contextlib.contextmanager

@@ -124,8 +124,10 @@ class PFedLA(Algorithm):
         return torch.bfloat16 if self.params.hn_dtype == "bfloat16" else like.dtype
 
     @staticmethod
-    def rows(hn: dict[str, torch.Tensor], idx: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The given clients' hypernetworks, in the compute dtype (a copy: the stored rows are never computed on)."""
+    def rows(hn: dict[str, torch.Tensor], idx: torch.Tensor | slice, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The given clients' hypernetworks, in the compute dtype: for an index tensor a copy (what autograd and the
+        optimizer step work on; the stored rows are never computed on), for a slice in the storage dtype a view
+        (read only, no copy)."""
         return {k: v[idx].to(dtype) for k, v in hn.items()}
 
     @staticmethod
@@ -171,7 +173,7 @@ class PFedLA(Algorithm):
             for a in range(0, len(cids), self.ROWS_AT_ONCE):
                 end = min(a + self.ROWS_AT_ONCE, len(cids))
                 part = slice(first + a, first + end) if consecutive else idx[a: end]
-                parts.append(self.raw_weights({k: v[part].to(dtype) for k, v in state["hn"].items()}))
+                parts.append(self.raw_weights(self.rows(state["hn"], part, dtype)))
             raw = torch.cat(parts) if parts else state["hn"]["head_b"][:0].to(dtype)
             alpha, retained = self.mixing_weights(raw, idx)
         return idx, alpha, retained

@@ -54,9 +54,15 @@ def max_pool2x2(x: torch.Tensor) -> torch.Tensor:
     computing its indices by hand measured no faster."""
     if torch.is_grad_enabled() and x.requires_grad:
         return F.max_pool2d(x, 2)
-    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2  # an odd last row or column is dropped, as max_pool2d does
-    top = torch.maximum(x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2])
-    return torch.maximum(top, torch.maximum(x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2]))
+    top_left, top_right, bottom_left, bottom_right = quarters(x)
+    return torch.maximum(torch.maximum(top_left, top_right), torch.maximum(bottom_left, bottom_right))
+
+
+def quarters(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four strided views of x's 2x2 windows (top left, top right, bottom left, bottom right); an odd last row
+    or column is dropped, as max_pool2d does."""
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    return x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2], x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2]
 
 
 class MLR(nn.Module):
