@@ -1,18 +1,21 @@
 """A round's CNN clients: every way of running them measured against a bare PyTorch loop, the losers kept.
 
 One round of 10 clients (mnist5k, 4 classes each, batch 32, `--epochs` local epochs, SGD) on pFedHN's CNN with
-and without BatchNorm. Every candidate trains the same clients on the same seeded batches from the same start;
+and without BatchNorm and on FL-bench's LeNet-5 (BatchNorm, 6 and 16 channels). Every candidate trains the same clients on the same seeded batches from the same start;
 runs alternate and the best of `--repeats` is kept. Prints client-steps/s and the ratio to the bare loop.
 
-    python benchmarks/bench_cnn_clients.py [--epochs 2] [--repeats 3] [--models cnn,cnn_bn] [--compile] [--smoke]
+    python benchmarks/bench_cnn_clients.py [--epochs 2] [--repeats 3] [--models cnn,cnn_bn,lenet5] [--compile] [--smoke]
 
 Candidates:
   bare            nn.Module + torch.optim.SGD, one client after another, PyTorch's threads (the reference)
   bare-1thread    the same on one intra-op thread
-  engine-1by1     pfedkit's Cohort, one client after another (local.workers=1)
-  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0);
-                  both engine rows hold a BN-free model's conv weights channels_last (models/layers.py), a BN model's
-                  in the standard layout (channels_last BatchNorm sums its gradients less exactly)
+  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0)
+  engine-1by1     the Cohort one client after another (local.workers=1, a Flower ClientApp's way); both rows hold a
+                  BN-free model's conv weights channels_last (models/layers.py), a BN model's in the standard
+                  layout (channels_last BatchNorm sums its gradients less exactly)
+  engine-lockstep the Cohort's lockstep path (Cohort(lockstep=True)): all clients at once as grouped convolutions
+                  on channels_last activations and batched linear layers, each client's BatchNorm its own over its
+                  real samples (models/many.py)
   channels_last   the bare loop with channels_last inputs and weights
   flush-denormal  the bare loop with denormals flushed to zero
   no-mkldnn       the bare loop on PyTorch's own convolutions (oneDNN off)
@@ -21,7 +24,8 @@ Candidates:
                   PyTorch's indices computed from them, max_pool2d's own backward
   hand-bn         the bare loop with BatchNorm as an autograd Function of plain ops (var_mean, addcmul; its
                   backward's sums by einsum; BatchNorm models only)
-  grouped         all clients in lockstep as grouped convolutions + batched linear layers (no BatchNorm only)
+  grouped         all clients in lockstep as grouped convolutions + batched linear layers in the standard layout
+                  (no BatchNorm only; what the engine's lockstep does, less channels_last)
   compiled        the bare loop with torch.compile'd forward (--compile: ~40 s to compile)
 """
 from __future__ import annotations
@@ -202,19 +206,20 @@ def grouped(net, work, lr):
                 p.grad = None
 
 
-def engine(cfg, data, workers):
+def engine(cfg, data, workers, lockstep=None):
     model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
     hp = dataclasses.replace(cfg.local, workers=workers)
     cids = list(range(data.num_clients))
     starts = model.state().repeat(len(cids), 1)
-    return lambda: Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids]).train(starts)
+    return lambda: Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids],
+                          lockstep).train(starts)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--models", default="cnn,cnn_bn")
+    ap.add_argument("--models", default="cnn,cnn_bn,lenet5")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="3 clients, 1 repeat (CI: runs, times nothing)")
     args = ap.parse_args()
@@ -233,8 +238,9 @@ def main() -> None:
         candidates = {  # name: (the switch it runs under, the work)
             "bare": (None, plain),
             "bare-1thread": (lambda: threads(1), plain),
-            "engine-1by1": (None, engine(cfg, data, 1)),
             "engine": (None, engine(cfg, data, 0)),
+            "engine-1by1": (None, engine(cfg, data, 1)),
+            "engine-lockstep": (None, engine(cfg, data, 0, lockstep=True)),
             "channels_last": (None, lambda: bare(net, work, lr, memory_format=torch.channels_last)),
             "flush-denormal": (flush_denormal, plain),
             "no-mkldnn": (lambda: torch.backends.mkldnn.flags(enabled=False), plain),

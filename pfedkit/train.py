@@ -210,24 +210,33 @@ def batch_plan(sizes: list[int], offsets: list[int], hp: LocalConfig | list[Loca
 
 class BatchedLoss:
     """Per-client mean cross-entropy and its gradient for a stack of flat parameter vectors, all clients at once:
-    `grads, losses = BatchedLoss(model)(params (C, P), x (C, B, ...), y (C, B), mask (C, B))`.
+    `grads, losses = BatchedLoss(model)(params (C, P), x (C, B, ...), y (C, B), mask (C, B), buffers)`.
 
-    The model's `forward_many` runs every client's model on its own batch as batched matrix products (MLR, DNN),
-    and one autograd pass over the stack gives all the gradients: the clients are independent, so the gradient of
-    the sum of their losses is each client's own. (A `torch.func.vmap` of the forward does the same at about four
-    times the per-call cost for a few clients: measured, about 1 ms per call on 2 CPU cores.)"""
+    The model's `forward_many` runs every client's model on its own batch (models/many.py: batched matrix products,
+    grouped convolutions, per-client BatchNorm), and one autograd pass over the stack gives all the gradients: the
+    clients are independent, so the gradient of the sum of their losses is each client's own. `buffers` (C, D - P),
+    the clients' BatchNorm running statistics, are updated in place as training mode does; None: batch statistics
+    only (a second pass over the same batch). (A `torch.func.vmap` of the forward does the same at about four times
+    the per-call cost for a few clients: measured, about 1 ms per call on 2 CPU cores.)"""
 
     def __init__(self, model: FlatModel):
-        if model.size != model.param_size or not hasattr(model.module, "forward_many"):
-            raise ValueError("batched training needs a model with forward_many and no buffers: use the per-client path")
+        if not hasattr(model.module, "forward_many"):
+            raise ValueError("batched training needs a model with forward_many: use the per-client path")
         self.forward_many = model.module.forward_many
-        self.names, self.channels_last = model.names, model.channels_last
+        self.param_size, self.channels_last = model.param_size, model.channels_last
+        self.names = [(n, s, shape) for n, s, shape in model.names if s.start < model.param_size]
+        self.buffer_names = [(n, slice(s.start - model.param_size, s.stop - model.param_size), shape)
+                             for n, s, shape in model.names if s.start >= model.param_size]
 
-    def __call__(self, params, x, y, mask):
+    def __call__(self, params, x, y, mask, buffers=None):
         c = len(params)
         with torch.enable_grad():
             leaf = params.detach().requires_grad_(True)
-            out = self.forward_many({n: shaped(leaf[:, s], shape, self.channels_last) for n, s, shape in self.names}, x)
+            views = {n: shaped(leaf[:, s], shape, self.channels_last) for n, s, shape in self.names}
+            if self.buffer_names:
+                stats = buffers if buffers is not None else params.new_zeros(c, self.buffer_names[-1][1].stop)
+                views.update({n: stats[:, s].view(c, *shape) for n, s, shape in self.buffer_names})
+            out = self.forward_many(views, x, mask, running=buffers is not None)
             per_sample = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(c, -1)
             losses = (per_sample * mask).sum(1) / mask.sum(1).clamp_min(1.0)
             grads, = torch.autograd.grad(losses.sum(), leaf)
@@ -238,13 +247,16 @@ def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_
                 idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig,
                 objective: Objective = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """`sgd` for many clients at once (same steps, same batches); a client whose stream has ended stays put.
-    Returns (trained params (C, P), mean batch loss per client)."""
-    params = params.clone()
+    params (C, D): the parameters and then the BatchNorm running statistics, updated as training mode does.
+    Returns (trained params (C, D), mean batch loss per client)."""
+    vectors = params.clone()
+    params, buffers = vectors[:, : loss.param_size], vectors[:, loss.param_size:]  # views into `vectors`
+    buffers = buffers if buffers.shape[1] else None
     velocity = torch.zeros_like(params) if hp.momentum > 0 else None
     loss_sum = torch.zeros(len(params), device=params.device)
     steps = torch.zeros(len(params), device=params.device)
     for t in range(idx.shape[0]):
-        grads, losses = loss(params, x_all[idx[t]], y_all[idx[t]], mask[t])
+        grads, losses = loss(params, x_all[idx[t]], y_all[idx[t]], mask[t], buffers)
         if objective.clip_norm > 0:  # each client's own norm
             grads = grads * clip_coefficient(grads.norm(dim=1, keepdim=True), objective.clip_norm)
         if hp.weight_decay > 0:
@@ -260,7 +272,7 @@ def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_
         params -= hp.lr * active * grads
         loss_sum += active[:, 0] * losses
         steps += active[:, 0]
-    return params, loss_sum / steps.clamp_min(1.0)
+    return vectors, loss_sum / steps.clamp_min(1.0)
 
 
 def replicas(model: FlatModel, n: int) -> list[FlatModel]:
@@ -348,12 +360,18 @@ class Cohort:
 
     @property
     def batchable(self) -> bool:
-        """Lockstep training for small dense models (MLR, DNN: those with `forward_many`): there one client's step
-        is too small to keep the cores busy, and batched products make it one step for all. Not for BatchNorm
-        (running statistics are state) nor for convolutional models, which fill the cores on their own; not for
-        fewer than LOCKSTEP_MIN_CLIENTS clients, where the one-by-one path is as fast (measured)."""
-        able = hasattr(self.model.module, "forward_many") and self.model.size == self.model.param_size
-        return able and (self.force if self.force is not None else len(self.cids) >= LOCKSTEP_MIN_CLIENTS)
+        """Lockstep training for the small dense models (MLR, DNN): one client's step is too small to keep the
+        cores busy, and batched products make it one step for all; not for fewer than LOCKSTEP_MIN_CLIENTS clients,
+        where the one-by-one path is as fast (measured). The CNNs have a lockstep path too (grouped convolutions,
+        models/many.py), taken only when forced (`lockstep=True`): on 2 CPU cores it measured slower than their
+        clients side by side (benchmarks/bench_cnn_clients.py: 1.28 / 1.08 / 1.45x a bare loop for the CNN, the CNN
+        with BatchNorm and LeNet-5, against 1.52 / 1.35 / 1.47x side by side); on a GPU it is unmeasured."""
+        if not hasattr(self.model.module, "forward_many"):
+            return False
+        if self.force is not None:
+            return self.force
+        dense = all(p.dim() <= 2 for p in self.model.module.parameters())
+        return dense and len(self.cids) >= LOCKSTEP_MIN_CLIENTS
 
     def lockstep_pays(self, hp: LocalConfig | list[LocalConfig] | None = None) -> bool:
         """Lockstep runs as many steps as the longest stream: worth it while most clients are busy in most steps
@@ -428,7 +446,7 @@ class GradientStream:
         c, data = self.cohort, self.cohort.data
         idx, mask = self.idx[t], self.mask[t]
         if self.lockstep:
-            grads, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask)
+            grads, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask, self.buffers)
             return grads, losses.double()
         P = params.shape[1]
         grads, losses = torch.zeros_like(params), torch.zeros(len(params), dtype=torch.float64)
@@ -448,15 +466,15 @@ class GradientStream:
     def two_head_gradient(self, params: torch.Tensor, second: torch.Tensor, t: int,
                           weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every client's `two_head_gradient` on its t-th batch: (C, P), the second heads' (C, H), the first heads'
-        losses. In lockstep (dense models) as two batched passes, one per head, summed the same way."""
+        losses. In lockstep as two batched passes, one per head, summed the same way."""
         c, data = self.cohort, self.cohort.data
         head = c.model.head_layers[0].params
         idx, mask = self.idx[t], self.mask[t]
         if self.lockstep:
-            g, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask)
+            g, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask, self.buffers)
             swapped = params.clone()
             swapped[:, head] = second
-            g2, _ = c.loss(swapped, data.x_train[idx], data.y_train[idx], mask)
+            g2, _ = c.loss(swapped, data.x_train[idx], data.y_train[idx], mask)  # BN statistics see the batch once
             g2 = weight * g2
             second_grad = g2[:, head].clone()
             g2[:, head] = 0.0

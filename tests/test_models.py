@@ -99,7 +99,7 @@ def test_batched_loss_gives_every_client_its_own_gradient_and_loss(name, shape):
 def test_batched_loss_refuses_models_it_cannot_batch():
     from pfedkit.train import BatchedLoss
     with pytest.raises(ValueError, match="per-client path"):
-        BatchedLoss(FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)))
+        BatchedLoss(FlatModel(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))))  # no forward_many
 
 
 def test_a_bn_free_cnn_holds_its_conv_weights_channels_last_and_trains_as_the_plain_module():

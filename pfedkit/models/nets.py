@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from .many import batch_norm_many, conv_many, linear_many, stack_images, unstack_features
 
 
 class CNN(nn.Module):
@@ -44,6 +45,22 @@ class CNN(nn.Module):
         x = torch.relu(self.fc1(x.flatten(1)))
         x = torch.relu(self.fc2(x))
         return self.fc3(x)
+
+    def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor,
+                     running: bool = True) -> torch.Tensor:
+        """Many clients' models in training mode at once (models/many.py): params[name] is (C, *shape), BatchNorm's
+        running statistics included (updated in place with `running`), x is (C, B, channels, H, W), mask (C, B)
+        marks the real samples (BatchNorm's statistics skip the rest); gives (C, B, classes)."""
+        clients = x.shape[0]
+        h = stack_images(x)
+        for conv, bn in (("conv1", self.bn1), ("conv2", self.bn2)):
+            h = conv_many(params, conv, h)
+            if isinstance(bn, nn.BatchNorm2d):
+                h = batch_norm_many(params, "bn" + conv[-1], h, mask, bn.momentum, bn.eps, running)
+            h = F.max_pool2d(torch.relu(h), 2)
+        h = torch.relu(linear_many(params, "fc1", unstack_features(h, clients)))
+        h = torch.relu(linear_many(params, "fc2", h))
+        return linear_many(params, "fc3", h)
 
 
 def max_pool2x2(x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +94,10 @@ class MLR(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x.flatten(1))
 
-    def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """Many clients' models at once: params[name] is (C, *shape), x is (C, B, ...); gives (C, B, classes)."""
+    def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor | None = None,
+                     running: bool = True) -> torch.Tensor:
+        """Many clients' models at once: params[name] is (C, *shape), x is (C, B, ...); gives (C, B, classes)
+        (mask and running: see CNN.forward_many; a model without BatchNorm needs neither)."""
         return linear_many(params, "fc", x.flatten(2))
 
 
@@ -95,14 +114,10 @@ class DNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
-    def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor | None = None,
+                     running: bool = True) -> torch.Tensor:
         """Many clients' models at once (see MLR.forward_many)."""
         return linear_many(params, "fc2", torch.relu(linear_many(params, "fc1", x.flatten(2))))
-
-
-def linear_many(params: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    """Each client's linear layer on its own batch: one batched matrix product for all clients."""
-    return torch.baddbmm(params[f"{name}.bias"].unsqueeze(1), x, params[f"{name}.weight"].transpose(1, 2))
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
