@@ -127,3 +127,22 @@ def test_cnns_train_side_by_side_unless_lockstep_is_forced():
     model = FlatModel(net)
     assert not cohort(cfg, data, model, lockstep=None).batchable
     assert cohort(cfg, data, model, lockstep=True).batchable
+
+
+def test_lockstep_two_head_gradient_equals_the_per_client_path_with_batchnorm():
+    """FedTC's two classifiers in lockstep on a BatchNorm model (float64): the gradients and the first head's loss
+    of the per-client path (one extractor pass), and the running statistics updated once per batch."""
+    cfg, data, net = setup("lenet5", torch.float64)
+    model = FlatModel(copy.deepcopy(net))
+    P, head = model.param_size, model.head_layers[0].params
+    starts = torch.stack([model.state() + 0.01 * c for c in range(len(SIZES))])
+    second = starts[:, head] * 0.5 + 0.01
+    lock = cohort(cfg, data, model, lockstep=True).stream(cfg.local, starts[:, P:])
+    alone = cohort(cfg, data, model, lockstep=False).stream(cfg.local, starts[:, P:])
+    for t in (0, 1):
+        got = lock.two_head_gradient(starts[:, :P], second, t, 0.7)
+        want = alone.two_head_gradient(starts[:, :P], second, t, 0.7)
+        for g, w in zip(got, want):
+            assert torch.allclose(g.double(), w.double(), atol=1e-10), t
+        assert torch.allclose(lock.buffers, alone.buffers, atol=1e-12, rtol=1e-12), t
+    assert not torch.allclose(lock.buffers, starts[:, P:])
