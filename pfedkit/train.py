@@ -363,9 +363,10 @@ class Cohort:
         """Lockstep training for the small dense models (MLR, DNN): one client's step is too small to keep the
         cores busy, and batched products make it one step for all; not for fewer than LOCKSTEP_MIN_CLIENTS clients,
         where the one-by-one path is as fast (measured). The CNNs have a lockstep path too (grouped convolutions,
-        models/many.py), taken only when forced (`lockstep=True`): on 2 CPU cores it measured slower than their
-        clients side by side (benchmarks/bench_cnn_clients.py: 1.28 / 1.08 / 1.45x a bare loop for the CNN, the CNN
-        with BatchNorm and LeNet-5, against 1.52 / 1.35 / 1.47x side by side); on a GPU it is unmeasured."""
+        models/many.py), taken only when forced (`lockstep=True`): on 2 CPU cores it measured no faster than their
+        clients side by side (benchmarks/bench_cnn_clients.py, two runs: 1.28-1.36 / 0.94-1.08x a bare loop for the
+        CNN / the CNN with BatchNorm, against 1.52-1.77 / 1.26-1.35x side by side; LeNet-5 a wash over five runs,
+        README Speed); on a GPU it is unmeasured."""
         if not hasattr(self.model.module, "forward_many"):
             return False
         if self.force is not None:

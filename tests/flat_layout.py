@@ -41,3 +41,14 @@ def load_params(vector: torch.Tensor, net: nn.Module) -> None:
         for p in net.parameters():
             p.copy_(tensor_of(vector[at: at + p.numel()], p.shape, permuted(net)))
             at += p.numel()
+
+
+def load_state(vector: torch.Tensor, net: nn.Module) -> None:
+    """The inverse of flat_state: parameters, then the float buffers (BatchNorm running statistics)."""
+    load_params(vector, net)
+    at = sum(p.numel() for p in net.parameters())
+    with torch.no_grad():
+        for n, b in net.named_buffers():
+            if "num_batches" not in n:
+                b.copy_(vector[at: at + b.numel()].view_as(b))
+                at += b.numel()

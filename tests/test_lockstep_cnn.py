@@ -15,7 +15,7 @@ from pfedkit.config import load_config
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, seeded_generator
-from flat_layout import flat_params, flat_state, load_params  # noqa: E402
+from flat_layout import flat_params, flat_state, load_state  # noqa: E402
 
 SIZES = [60, 37, 20, 45]  # batch 16: 4, 3, 2 and 3 steps an epoch, each with a short last batch
 
@@ -41,13 +41,7 @@ def cohort(cfg, data, model, lockstep):
 def module_at(net: torch.nn.Module, vector: torch.Tensor) -> torch.nn.Module:
     """A copy of net holding a flat vector: parameters, then the running statistics."""
     ref = copy.deepcopy(net)
-    load_params(vector, ref)
-    with torch.no_grad():
-        offset = sum(p.numel() for p in ref.parameters())
-        for n, b in ref.named_buffers():
-            if "num_batches" not in n:
-                b.copy_(vector[offset: offset + b.numel()].view_as(b))
-                offset += b.numel()
+    load_state(vector, ref)
     return ref
 
 

@@ -16,7 +16,7 @@ from pfedkit.engine import TIMING_KEYS, Run
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, in_threads, predict, seeded_generator
-from flat_layout import flat_state  # noqa: E402
+from flat_layout import flat_state, load_state  # noqa: E402
 
 
 @pytest.fixture
@@ -50,12 +50,7 @@ def test_side_by_side_training_equals_plain_loop_per_client(one_thread):
     net = build_model(cfg.model, data.input_shape, data.num_classes, 0)
     for c in range(data.num_clients):
         ref = copy.deepcopy(net)
-        with torch.no_grad():
-            flat = starts[c]
-            offset = 0
-            for t in list(ref.parameters()) + [b for n, b in ref.named_buffers() if "num_batches" not in n]:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+        load_state(starts[c], ref)
         opt = torch.optim.SGD(ref.parameters(), lr=cfg.local.lr, momentum=cfg.local.momentum)
         client, gen, batch_losses = data.client(c), seeded_generator(cfg.seed, 1, c), []
         perm = torch.randperm(client.num_train, generator=gen)
