@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-SHAPES = {"mlr": ("mlr", (1, 28, 28)), "cnn": ("cnn", (1, 28, 28))}
+SHAPES = {"mlr": ("mlr", (1, 28, 28)), "cnn": ("cnn", (1, 28, 28)), "lenet5": ("lenet5", (1, 28, 28))}
 
 
 def rss_mb() -> float:

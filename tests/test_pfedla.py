@@ -101,16 +101,18 @@ def as_rows(grads: dict, r: int, num_layers: int) -> dict:
 
 @pytest.mark.parametrize("cls,k", [(PFedLA, 0), (HeurPFedLA, 1), (HeurPFedLA, 2)])
 def test_batched_server_equals_a_plain_per_client_loop(cls, k, monkeypatch):
-    # no-grad forwards read 2 clients at a time: the consecutive run of personalized() and the scattered cids of
-    # payloads() both come in several parts
-    monkeypatch.setattr(PFedLA, "ROWS_AT_ONCE", 2)
+    # the server works on 2 clients at a time: the consecutive run of personalized(), the scattered cids of
+    # payloads() and the gradients come in several blocks
+    monkeypatch.setattr(PFedLA, "block", lambda self: 2)
     algo, state, fm = make_algo(cls, k=k)
     cids = [1, 3, 4]
     payloads = algo.payloads(state, cids, 1)
     personalized = list(algo.personalized(state, list(range(N))))
     gen = torch.Generator().manual_seed(2)
     trained = state["theta"][cids] + 0.01 * torch.randn(len(cids), fm.size, generator=gen, dtype=torch.float64)
-    grads, rows = algo.hn_gradients(state, cids, trained)
+    blocks = list(algo.hn_gradients(state, cids, trained))
+    assert [at for at, _, _ in blocks] == [slice(0, 2), slice(2, 3)]
+    grads, rows = ({k: torch.cat([b[i][k] for b in blocks]) for k in HN_KEYS} for i in (1, 2))
     for key, row in rows.items():  # the rows the gradients were taken at: the stored ones (compute dtype)
         assert torch.equal(row, state["hn"][key][cids].to(row.dtype)), key
     for r, cid in enumerate(cids):
@@ -488,6 +490,37 @@ def test_reference_option_takes_the_plain_sgd_step():
     assert not any(k.startswith("hn_adam") for k in state)
     for key in HN_KEYS:
         assert torch.allclose(state["hn"][key], expected[key], atol=1e-12), key
+
+
+@pytest.mark.parametrize("between", ["nothing", "theta changed", "payload written", "other clients", "no payloads"])
+def test_aggregate_reuses_the_payloads_only_while_they_hold(between):
+    """aggregate takes the weights and mixture the round's payloads were built from (not computed again) for any
+    subset of those clients, in any order; where the server state or the payloads were changed in place since, or
+    the clients were not among them, it computes them afresh. Every case gives the plain-SGD step of the reference
+    hypernetwork on the state aggregate sees."""
+    lr = 5e-3
+    algo, state, opt, _ = toy(hn_lr=lr, hn_optimizer="sgd")
+    payloads = {} if between == "no payloads" else algo.payloads(state, [0, 2, 4] if between != "other clients"
+                                                                 else [1, 3], 1)
+    if between == "theta changed":
+        state["theta"][4] += 0.2
+    if between == "payload written":  # a client wrote into the view it was sent
+        payloads[0]["fc"] += 0.2
+    cids = [4, 0]
+    trained = {c: state["theta"][c] - 0.1 * (state["theta"][c] - opt[c]) for c in cids}
+    expected = {k: v.clone() for k, v in state["hn"].items()}
+    for c in cids:
+        _, _, _, grads = reference_round(algo, state, c, trained[c])
+        rows = as_rows({k: v[c][None] for k, v in expected.items()}, 0, 1)
+        for key, g in grads.items():
+            if g is not None:
+                rows[key] -= lr * g
+    mixes = []
+    algo.mix = lambda theta, alpha: mixes.append(1) or PFedLA.mix(algo, theta, alpha)
+    state = algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, {}, 1)
+    for key in HN_KEYS:
+        assert torch.allclose(state["hn"][key], expected[key], atol=1e-12), key
+    assert len(mixes) == (0 if between == "nothing" else 1)  # reused, or computed once
 
 
 def test_adam_is_the_default_and_each_client_counts_its_own_steps():

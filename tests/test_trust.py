@@ -427,3 +427,34 @@ def test_ctrl_c_after_a_checkpoint_names_the_real_folder(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
     assert err.strip() == f"pfedkit: interrupted; continue with `pfedkit run --resume {out}`"
+
+
+# ---- a checkpoint streams to disk -------------------------------------------------------------------------------
+
+STREAMED_CHECKPOINT = r"""
+import resource, sys
+import torch
+from pfedkit.config import load_config
+from pfedkit.engine import Run
+from pfedkit.experiment import prepare
+cfg = load_config(None, sys.argv[2].split(), "fedavg")
+run = Run(cfg.for_algorithm("fedavg"), prepare(cfg), sys.argv[1])
+run.run(stop_after=1)
+run.server.state["ballast"] = torch.ones(50 << 20)  # 200 MB that torch.save must write
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the peak so far (the ballast is in it)
+run.save_checkpoint()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+"""
+
+
+def test_a_checkpoint_streams_to_disk_instead_of_doubling_the_memory(tmp_path):
+    """pFedLA's server state at N = 1,000 is 9 GB: a checkpoint first serialized in memory took as much again. The
+    peak memory of the process must not rise by the checkpoint's size while it is written."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", STREAMED_CHECKPOINT, str(out), " ".join(DIGITS)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rise_mb = int(done.stdout.split()[-1])
+    assert (out / "checkpoint.pt").stat().st_size > 200e6
+    assert rise_mb < 100, f"the peak memory rose by {rise_mb} MB while a 200 MB checkpoint was written"
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["server"]["ballast"].shape == (50 << 20,)

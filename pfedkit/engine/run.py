@@ -8,7 +8,6 @@ round, client), so a run resumed from a checkpoint continues exactly as the unin
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import pickle
 import time
@@ -223,11 +222,10 @@ class Run:
         return ck
 
     def save_checkpoint(self) -> None:
-        buf = io.BytesIO()
-        torch.save({"server": self.server.state, "clients": self.clients.state(), "sampler": self.server.sampler_state,
-                    "metrics": self.metrics, "totals": self.totals,
-                    "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(), "layout": self.model.layout}, buf)
-        atomic_write(self.ckpt_path, buf.getvalue())
+        checkpoint = {"server": self.server.state, "clients": self.clients.state(),
+                      "sampler": self.server.sampler_state, "metrics": self.metrics, "totals": self.totals,
+                      "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(), "layout": self.model.layout}
+        atomic_write(self.ckpt_path, lambda fh: torch.save(checkpoint, fh))
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False, stop_after: int | None = None) -> dict | None:
