@@ -472,20 +472,27 @@ def test_client_trains_its_payload_with_kept_layers_from_its_own_copy():
 
 # ---- the hypernetwork optimizer (docs/pfedla.md, "The default hypernetwork step") ------------------------------
 
-def test_reference_option_takes_the_plain_sgd_step():
-    """hn_optimizer: sgd (the reference code's, hn_lr 5e-3): each trained client's rows move by -hn_lr times the
-    gradient of its own hypernetwork (by autograd through the plain ReferenceHN); the other rows stay."""
-    lr = 5e-3
-    algo, state, opt, _ = toy(hn_lr=lr, hn_optimizer="sgd")
+def reference_sgd_step(algo, state, trained: dict, lr: float) -> dict:
+    """The hypernetworks after plain SGD on each trained client's rows: -lr times the gradient of its own
+    hypernetwork, by autograd through the plain ReferenceHN; the other rows stay."""
     expected = {k: v.clone() for k, v in state["hn"].items()}
-    cids = [0, 4]
-    trained = {c: state["theta"][c] - 0.1 * (state["theta"][c] - opt[c]) for c in cids}
-    for c in cids:
+    for c in trained:
         _, _, _, grads = reference_round(algo, state, c, trained[c])
         rows = as_rows({k: v[c][None] for k, v in expected.items()}, 0, 1)
         for key, g in grads.items():
             if g is not None:
                 rows[key] -= lr * g
+    return expected
+
+
+def test_reference_option_takes_the_plain_sgd_step():
+    """hn_optimizer: sgd (the reference code's, hn_lr 5e-3): each trained client's rows move by -hn_lr times the
+    gradient of its own hypernetwork (by autograd through the plain ReferenceHN); the other rows stay."""
+    lr = 5e-3
+    algo, state, opt, _ = toy(hn_lr=lr, hn_optimizer="sgd")
+    cids = [0, 4]
+    trained = {c: state["theta"][c] - 0.1 * (state["theta"][c] - opt[c]) for c in cids}
+    expected = reference_sgd_step(algo, state, trained, lr)
     state = algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, {}, 1)
     assert not any(k.startswith("hn_adam") for k in state)
     for key in HN_KEYS:
@@ -508,13 +515,7 @@ def test_aggregate_reuses_the_payloads_only_while_they_hold(between):
         payloads[0]["fc"] += 0.2
     cids = [4, 0]
     trained = {c: state["theta"][c] - 0.1 * (state["theta"][c] - opt[c]) for c in cids}
-    expected = {k: v.clone() for k, v in state["hn"].items()}
-    for c in cids:
-        _, _, _, grads = reference_round(algo, state, c, trained[c])
-        rows = as_rows({k: v[c][None] for k, v in expected.items()}, 0, 1)
-        for key, g in grads.items():
-            if g is not None:
-                rows[key] -= lr * g
+    expected = reference_sgd_step(algo, state, trained, lr)
     mixes = []
     algo.mix = lambda theta, alpha: mixes.append(1) or PFedLA.mix(algo, theta, alpha)
     state = algo.aggregate(state, {c: {"weights": trained[c]} for c in cids}, {}, 1)

@@ -197,8 +197,9 @@ class PFedLA(Algorithm):
         first = cids[0] if cids else 0
         consecutive = list(cids) == list(range(first, first + len(cids)))
         idx = torch.as_tensor(cids, dtype=torch.long, device=device)
-        for a in range(0, len(cids), self.block()):
-            end = min(a + self.block(), len(cids))
+        size = self.block()
+        for a in range(0, len(cids), size):
+            end = min(a + size, len(cids))
             yield slice(a, end), (slice(first + a, first + end) if consecutive else idx[a: end])
 
     def raw_of(self, state: State, cids: list[int]) -> torch.Tensor:
