@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit.models.nets as nets
+from bench_local_training import PlainCNN, plain as plain_model  # the CNN with a plain PyTorch forward (this folder)
 from pfedkit.config import load_config
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
@@ -155,14 +156,14 @@ class HandBN(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def hand_pool():
-    """The CNNs' pooling swapped for HandPool while the candidate runs."""
-    kept = nets.max_pool2x2
-    nets.max_pool2x2 = lambda x: HandPool.apply(x) if torch.is_grad_enabled() and x.requires_grad else kept(x)
+def torch_pool():
+    """pfedkit's models without the fused C kernel (models/native.py) while the candidate runs."""
+    kept = nets.native.covers
+    nets.native.covers = lambda x: False
     try:
         yield
     finally:
-        nets.max_pool2x2 = kept
+        nets.native.covers = kept
 
 
 def with_hand_bn(net):
@@ -231,7 +232,7 @@ def main() -> None:
                                  f"partition.samples_per_client={64 if args.smoke else 0}",
                                  "local.lr=0.05", "progress=false", "plots=false"], "fedavg")
         data = prepare(cfg)
-        net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+        net = plain_model(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
         work, lr = batches(cfg, data), cfg.local.lr
         steps = sum(len(w) for w in work)
         plain = lambda: bare(net, work, lr)  # noqa: E731
@@ -245,7 +246,8 @@ def main() -> None:
             "flush-denormal": (flush_denormal, plain),
             "no-mkldnn": (lambda: torch.backends.mkldnn.flags(enabled=False), plain),
             "engine-3workers": (None, engine(cfg, data, 3)),
-            "hand-pool": (hand_pool, plain),
+            "hand-pool": (None, lambda: bare(PlainCNN(net, pool=HandPool.apply), work, lr)),
+            "engine-torchpool": (torch_pool, engine(cfg, data, 0)),
         }
         if name != "cnn":
             hand = with_hand_bn(net)

@@ -25,6 +25,7 @@ from pfedkit.config import load_config
 from pfedkit.engine import Run
 from pfedkit.experiment import prepare
 from pfedkit.models import build_model
+from pfedkit.models.nets import CNN
 from pfedkit.sampling import uniform_sample
 from pfedkit.train import batch_indices, seeded_generator
 
@@ -48,9 +49,30 @@ SETTINGS = {
 }
 
 
+class PlainCNN(torch.nn.Module):
+    """pfedkit's CNN (the same modules and state dict) with a plain PyTorch forward: F.max_pool2d(torch.relu(.))
+    where pfedkit's model calls its fused C kernel (models/native.py), so that the bare loops are bare PyTorch."""
+
+    def __init__(self, cnn: CNN, pool=None):
+        super().__init__()
+        self.pool = pool or (lambda x: F.max_pool2d(x, 2))
+        self.conv1, self.bn1, self.conv2, self.bn2 = cnn.conv1, cnn.bn1, cnn.conv2, cnn.bn2
+        self.fc1, self.fc2, self.fc3 = cnn.fc1, cnn.fc2, cnn.fc3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x.flatten(1))))))
+
+
+def plain(net: torch.nn.Module) -> torch.nn.Module:
+    """The model as a bare PyTorch loop would have it (PlainCNN for the CNNs)."""
+    return PlainCNN(net) if isinstance(net, CNN) else net
+
+
 def bare_fedavg(cfg, data) -> tuple[float, int]:
     """Plain PyTorch FedAvg: load the global state dict, SGD over the seeded batches, average state dicts."""
-    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    net = plain(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
     global_state = copy.deepcopy(net.state_dict())
     steps = 0
     t0 = time.perf_counter()

@@ -1,0 +1,135 @@
+"""Fused CPU kernels in C (relu_pool.c), compiled once per machine with the host's C compiler and called through
+ctypes: ReLU + 2x2 max pooling, the hot spot of a small CNN's training step on a CPU.
+
+The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, or
+with PFEDKIT_NATIVE=0 in the environment, the models (nets.relu_pool) run the same arithmetic in PyTorch: the
+results are equal either way (tests/test_native.py), only the speed differs.
+
+The shared library is built with `-O3 -march=native` into $PFEDKIT_CACHE (default ~/.cache/pfedkit)/native,
+under a name that hashes the source, the compiler's version and the CPU's model and flags, so a cache shared
+between machines never loads another CPU's build. It is written to a temporary name and renamed, so processes
+building it at once do not see half a file.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("relu_pool.c")
+FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
+SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+why_not = ""  # why the kernels are not in use, when they are not (README "Speed"; pfedkit's own tests print it)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name.split()[0]):
+            return name.split()[0]
+    return None
+
+
+def _cpu() -> str:
+    """What makes a -march=native build this machine's own: the CPU's model name and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() + platform.machine()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({l for l in lines if l.split(":")[0].strip() in keep}))
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
+    cache = Path(os.environ.get("PFEDKIT_CACHE") or Path.home() / ".cache" / "pfedkit") / "native"
+    target = cache / f"relu_pool-{key.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None (and `why_not` says why) where they cannot be had."""
+    global _library, _tried, why_not
+    if _tried:
+        return _library
+    with _lock:
+        if _tried:
+            return _library
+        if os.environ.get("PFEDKIT_NATIVE", "1") == "0":
+            why_not = "PFEDKIT_NATIVE=0"
+        elif (cc := _compiler()) is None:
+            why_not = "no C compiler (cc, gcc or clang) on PATH"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build(cc)))
+                for suffix in SUFFIX.values():
+                    for name in (f"relu_pool_{suffix}", f"relu_pool_backward_{suffix}"):
+                        fn = getattr(lib, name)
+                        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+                        fn.restype = None
+                _library = lib
+            except (OSError, subprocess.SubprocessError) as e:
+                why_not = f"building {SOURCE.name} failed: {e}"
+        _tried = True
+    return _library
+
+
+def covers(x: torch.Tensor) -> bool:
+    """Whether the kernels take x: a contiguous (N, C, H, W) float32/float64 CPU tensor with even H and W."""
+    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in SUFFIX and x.is_contiguous()
+            and x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0 and x.numel() > 0 and library() is not None)
+
+
+class _ReluPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = z.shape
+        out = z.new_empty(n, c, h // 2, w // 2)
+        code = torch.empty(out.shape, dtype=torch.uint8)  # which window position takes the gradient (4: none)
+        getattr(library(), "relu_pool_" + SUFFIX[z.dtype])(z.data_ptr(), out.data_ptr(), code.data_ptr(), n * c, h, w)
+        ctx.save_for_backward(code)
+        ctx.input_shape = z.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (code,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        n, c, h, w = ctx.input_shape
+        grad_in = grad.new_empty(ctx.input_shape)  # the kernel writes every element
+        getattr(library(), "relu_pool_backward_" + SUFFIX[grad.dtype])(
+            grad.data_ptr(), code.data_ptr(), grad_in.data_ptr(), n * c, h, w)
+        return grad_in
+
+
+def relu_pool(x: torch.Tensor) -> torch.Tensor:
+    """F.max_pool2d(torch.relu(x), 2) through the C kernels, for an x they cover (`covers`): the same values and
+    the same gradient."""
+    return _ReluPool.apply(x)

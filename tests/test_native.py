@@ -1,0 +1,148 @@
+"""The fused C kernels (models/native.py, relu_pool.c) against PyTorch's own ops: F.max_pool2d(torch.relu(x), 2)
+and its gradient, bit for bit (ties, zeros, NaN, widths that leave a partial vector block), a CNN trained through
+them against the same CNN with PyTorch's pooling, and the fallback when they cannot be built."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pfedkit.config import ModelConfig
+from pfedkit.models import build_model, native
+from pfedkit.models.nets import relu_pool
+
+
+def test_the_kernels_build_on_this_machine():
+    """CI's machine has a C compiler: without this, every test below would pass on the PyTorch fallback alone."""
+    assert native.library() is not None, native.why_not
+
+
+def plain_relu_pool(x: torch.Tensor) -> torch.Tensor:
+    return F.max_pool2d(torch.relu(x), 2)
+
+
+def tricky(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values on a coarse grid (many ties, exact zeros, negatives), a constant block and NaNs."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen, dtype=dtype) * 2).round() / 4
+    n, c, h, w = shape
+    x[0, 0, : min(h, 4), : min(w, 4)] = 0.25  # a constant region: every window a four-way tie
+    x[-1, -1, 0, 0] = float("nan")
+    if w >= 4:
+        x[-1, 0, -2:, -4:] = float("nan")  # windows with two NaNs and with one
+        x[-1, 0, -1, -4] = 1.0
+    return x
+
+
+SHAPES = [(32, 16, 24, 24), (3, 5, 8, 8), (2, 3, 6, 10), (4, 2, 2, 2), (2, 3, 4, 34), (1, 1, 10, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_relu_pool_equals_pytorch_values_and_gradient(shape, dtype):
+    for seed in range(3):
+        x = tricky(shape, dtype, seed)
+        grad = torch.randn(shape[0], shape[1], shape[2] // 2, shape[3] // 2, dtype=dtype,
+                           generator=torch.Generator().manual_seed(seed + 10))
+        got_in, ref_in = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        assert native.covers(got_in)
+        got, ref = native.relu_pool(got_in), plain_relu_pool(ref_in)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+        got.backward(grad)
+        ref.backward(grad)
+        torch.testing.assert_close(got_in.grad, ref_in.grad, rtol=0, atol=0, equal_nan=True)
+        with torch.no_grad():  # evaluation takes the kernel too
+            torch.testing.assert_close(relu_pool(x), ref.detach(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_gradient_goes_to_the_first_maximum_of_a_window():
+    """Hand-made windows (row-major in the window): the gradient lands where max_pool2d puts it."""
+    x = torch.tensor([[[[1.0, 2.0, 0.0, -1.0, 3.0, 3.0, -2.0, -2.0],
+                        [2.0, 0.5, 0.0, -3.0, 3.0, 3.0, -2.0, 5.0]]]], requires_grad=True)
+    native.relu_pool(x).backward(torch.tensor([[[[10.0, 20.0, 30.0, 40.0]]]]))
+    # windows: max 2 first at (0,1); all <= 0: no gradient; four-way tie of 3: (0,0); only positive is (1,1)
+    expected = torch.tensor([[[[0.0, 10.0, 0.0, 0.0, 30.0, 0.0, 0.0, 0.0],
+                               [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 40.0]]]])
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+def test_inputs_the_kernels_do_not_cover_take_pytorch():
+    x = torch.randn(2, 3, 8, 8)
+    assert not native.covers(x.contiguous(memory_format=torch.channels_last))
+    assert not native.covers(torch.randn(2, 3, 7, 8))
+    assert not native.covers(x.half())
+    assert not native.covers(x[:, :, :, ::2].repeat(1, 1, 1, 1)[:, :, ::2])  # not contiguous
+    odd = torch.randn(2, 3, 7, 9)
+    torch.testing.assert_close(relu_pool(odd), plain_relu_pool(odd), rtol=0, atol=0)
+
+
+class Plain(torch.nn.Module):
+    """The same CNN's forward with PyTorch's pooling (the reference)."""
+
+    def __init__(self, cnn):
+        super().__init__()
+        self.cnn = cnn
+
+    def forward(self, x):
+        c = self.cnn
+        x = plain_relu_pool(c.bn2(c.conv2(plain_relu_pool(c.bn1(c.conv1(x))))))
+        return c.fc3(torch.relu(c.fc2(torch.relu(c.fc1(x.flatten(1))))))
+
+
+@pytest.mark.parametrize("name", ["cnn_bn", "lenet5"])
+def test_a_cnn_trains_through_the_kernels_as_with_pytorch_pooling(name):
+    """Ten SGD steps (momentum) of a BatchNorm CNN in float64 on MNIST-sized inputs, the kernels' forward against
+    the reference's: parameters and running statistics equal (the pooled values and gradients are exact, so only
+    the order of float64 sums elsewhere could differ)."""
+    torch.manual_seed(0)
+    net = build_model(ModelConfig(name), (1, 28, 28), 10, 0).double()
+    ref = Plain(copy.deepcopy(net))
+    x = torch.rand(10, 16, 1, 28, 28, dtype=torch.float64)
+    x[:, :, :, :6] = 0  # MNIST-like empty rows: constant windows after the first convolution
+    y = torch.randint(0, 10, (10, 16))
+    for model in (net, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        for t in range(10):
+            opt.zero_grad()
+            F.cross_entropy(model(x[t]), y[t]).backward()
+            opt.step()
+    got, want = net.state_dict(), ref.cnn.state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
+
+
+def run_python(code: str, **env: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+CHECK = ("import torch; from pfedkit.models import native; from pfedkit.models.nets import relu_pool; "
+         "x = torch.randn(2, 3, 8, 8); import torch.nn.functional as F; "
+         "assert torch.equal(relu_pool(x), F.max_pool2d(torch.relu(x), 2)); print(native.why_not)")
+
+
+def test_without_a_working_compiler_the_models_fall_back_to_pytorch(tmp_path):
+    assert run_python(CHECK, PFEDKIT_NATIVE="0") == "PFEDKIT_NATIVE=0"
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake && exit 0\necho 'fatal: no' >&2; exit 1\n")
+    failing.chmod(0o755)
+    said = run_python(CHECK, CC=str(failing), PFEDKIT_CACHE=str(tmp_path / "cache"))
+    assert said.startswith("building relu_pool.c failed") and "fatal: no" in said
+    assert not list((tmp_path / "cache" / "native").glob("*"))  # no half-written library left behind
+
+
+def test_the_library_is_built_once_per_machine_and_reused(tmp_path):
+    cache = tmp_path / "cache"
+    assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
+    built = list((cache / "native").glob("relu_pool-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
+    assert list((cache / "native").glob("*")) == built and built[0].stat().st_mtime_ns == stamp
