@@ -207,7 +207,9 @@ def test_perfedavg_hessian_free_steps_by_hand():
     assert torch.allclose(update["weights"].double(), theta, atol=2e-5)
     # the Hessian term is far above that tolerance, so a step without it or with its sign flipped cannot pass
     assert min(float(c.abs().max()) for c in corrections) > 100 * 2e-5
-    assert update["train_loss"] == pytest.approx(sum(first_losses) / 2, rel=1e-5)
+    # the second loss is taken at the float32 theta after one meta-step, which sits up to the 2e-5 above from the
+    # float64 one: 1.2e-5 relative measured on one CPU (2026-12-04); a loss of another batch or point is ~1e-2 off
+    assert update["train_loss"] == pytest.approx(sum(first_losses) / 2, rel=5e-5)
     assert update["num_samples"] == client.num_train
 
 

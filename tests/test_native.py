@@ -60,6 +60,38 @@ def test_relu_pool_equals_pytorch_values_and_gradient(shape, dtype):
             torch.testing.assert_close(relu_pool(x), ref.detach(), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_batch_norm_relu_pool_equals_pytorch(shape, dtype):
+    """Training-mode BatchNorm2d + ReLU + pooling against PyTorch's three modules: output, the gradients of the
+    input, weight and bias, and the running statistics after two batches (float64 to 1e-12, float32 to PyTorch's
+    own rounding); inputs with a large mean (the statistics must not cancel) and tied windows."""
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    gen = torch.Generator().manual_seed(1)
+    bn = torch.nn.BatchNorm2d(shape[1]).to(dtype)
+    with torch.no_grad():
+        bn.weight.uniform_(-1.5, 1.5, generator=gen)
+        bn.bias.uniform_(-0.5, 0.5, generator=gen)
+    ref = copy.deepcopy(bn)
+    for seed in range(2):
+        x = tricky(shape, dtype, seed).nan_to_num(0.5) + 3.0 * seed  # the second batch far from zero
+        got_in, ref_in = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        assert native.covers_batch_norm(got_in, bn)
+        got, want = native.batch_norm_relu_pool(got_in, bn), plain_relu_pool(ref(ref_in))
+        torch.testing.assert_close(got, want, **tol)
+        grad = torch.randn(want.shape, dtype=dtype, generator=gen)
+        got.backward(grad)
+        want.backward(grad)
+        torch.testing.assert_close(got_in.grad, ref_in.grad, **tol)
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(getattr(bn, name).grad, getattr(ref, name).grad, **tol, msg=name)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(bn, name), getattr(ref, name), **tol, msg=name)
+        bn.zero_grad()
+        ref.zero_grad()
+    assert not native.covers_batch_norm(x, bn.eval()) and not native.covers_batch_norm(x, torch.nn.Identity())
+
+
 def test_gradient_goes_to_the_first_maximum_of_a_window():
     """Hand-made windows (row-major in the window): the gradient lands where max_pool2d puts it."""
     x = torch.tensor([[[[1.0, 2.0, 0.0, -1.0, 3.0, 3.0, -2.0, -2.0],
@@ -134,14 +166,14 @@ def test_without_a_working_compiler_the_models_fall_back_to_pytorch(tmp_path):
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake && exit 0\necho 'fatal: no' >&2; exit 1\n")
     failing.chmod(0o755)
     said = run_python(CHECK, CC=str(failing), PFEDKIT_CACHE=str(tmp_path / "cache"))
-    assert said.startswith("building relu_pool.c failed") and "fatal: no" in said
+    assert said.startswith("building kernels.c failed") and "fatal: no" in said
     assert not list((tmp_path / "cache" / "native").glob("*"))  # no half-written library left behind
 
 
 def test_the_library_is_built_once_per_machine_and_reused(tmp_path):
     cache = tmp_path / "cache"
     assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
-    built = list((cache / "native").glob("relu_pool-*.so"))
+    built = list((cache / "native").glob("kernels-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""

@@ -1,5 +1,6 @@
-"""Fused CPU kernels in C (relu_pool.c), compiled once per machine with the host's C compiler and called through
-ctypes: ReLU + 2x2 max pooling, the hot spot of a small CNN's training step on a CPU.
+"""Fused CPU kernels in C (kernels.c), compiled once per machine with the host's C compiler and called through
+ctypes: ReLU + 2x2 max pooling, and training-mode BatchNorm + ReLU + pooling, the hot spot of a small CNN's
+training step on a CPU.
 
 The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, or
 with PFEDKIT_NATIVE=0 in the environment, the models (nets.relu_pool) run the same arithmetic in PyTorch: the
@@ -25,9 +26,17 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("relu_pool.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
+    "relu_pool": [_P] * 3 + [_I] * 4,
+    "relu_pool_backward": [_P] * 3 + [_I] * 4,
+    "bn_relu_pool": [_P] * 5 + [_D, _D] + [_P] * 4 + [_I] * 4,
+    "bn_relu_pool_backward": [_P] * 9 + [_I] * 4,
+}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -57,7 +66,7 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
     cache = Path(os.environ.get("PFEDKIT_CACHE") or Path.home() / ".cache" / "pfedkit") / "native"
-    target = cache / f"relu_pool-{key.hexdigest()[:20]}.so"
+    target = cache / f"kernels-{key.hexdigest()[:20]}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -90,10 +99,9 @@ def library() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(str(_build(cc)))
                 for suffix in SUFFIX.values():
-                    for name in (f"relu_pool_{suffix}", f"relu_pool_backward_{suffix}"):
-                        fn = getattr(lib, name)
-                        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-                        fn.restype = None
+                    for name, argtypes in SIGNATURES.items():
+                        fn = getattr(lib, f"{name}_{suffix}")
+                        fn.argtypes, fn.restype = argtypes, None
                 _library = lib
             except (OSError, subprocess.SubprocessError) as e:
                 why_not = f"building {SOURCE.name} failed: {e}"
@@ -107,13 +115,16 @@ def covers(x: torch.Tensor) -> bool:
             and x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0 and x.numel() > 0 and library() is not None)
 
 
+def _call(name: str, dtype: torch.dtype, *args) -> None:
+    getattr(library(), f"{name}_{SUFFIX[dtype]}")(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+
+
 class _ReluPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor) -> torch.Tensor:
-        n, c, h, w = z.shape
-        out = z.new_empty(n, c, h // 2, w // 2)
+        out = z.new_empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2)
         code = torch.empty(out.shape, dtype=torch.uint8)  # which window position takes the gradient (4: none)
-        getattr(library(), "relu_pool_" + SUFFIX[z.dtype])(z.data_ptr(), out.data_ptr(), code.data_ptr(), n * c, h, w)
+        _call("relu_pool", z.dtype, z, out, code, *z.shape)
         ctx.save_for_backward(code)
         ctx.input_shape = z.shape
         return out
@@ -122,14 +133,50 @@ class _ReluPool(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (code,) = ctx.saved_tensors
         grad = grad.contiguous()
-        n, c, h, w = ctx.input_shape
         grad_in = grad.new_empty(ctx.input_shape)  # the kernel writes every element
-        getattr(library(), "relu_pool_backward_" + SUFFIX[grad.dtype])(
-            grad.data_ptr(), code.data_ptr(), grad_in.data_ptr(), n * c, h, w)
+        _call("relu_pool_backward", grad.dtype, grad, code, grad_in, *ctx.input_shape)
         return grad_in
+
+
+class _BatchNormReluPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, weight, bias, running_mean, running_var, momentum, eps):
+        out = z.new_empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2)
+        code = torch.empty(out.shape, dtype=torch.uint8)
+        mean, invstd = (torch.empty(z.shape[1], dtype=torch.float64) for _ in range(2))
+        _call("bn_relu_pool", z.dtype, z, weight, bias, running_mean, running_var, momentum, eps, out, code, mean,
+              invstd, *z.shape)
+        ctx.save_for_backward(z, weight, code, mean, invstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, weight, code, mean, invstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_in, grad_weight, grad_bias = torch.empty_like(z), torch.empty_like(weight), torch.empty_like(weight)
+        _call("bn_relu_pool_backward", z.dtype, grad, code, z, weight, mean, invstd, grad_in, grad_weight, grad_bias,
+              *z.shape)
+        return grad_in, grad_weight, grad_bias, None, None, None, None
 
 
 def relu_pool(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool2d(torch.relu(x), 2) through the C kernels, for an x they cover (`covers`): the same values and
     the same gradient."""
     return _ReluPool.apply(x)
+
+
+def covers_batch_norm(x: torch.Tensor, bn: torch.nn.Module) -> bool:
+    """Whether `batch_norm_relu_pool` takes x and bn: x as in `covers`, bn a BatchNorm2d in training mode with an
+    affine transform, running statistics and a fixed momentum, all contiguous in x's dtype."""
+    return (isinstance(bn, torch.nn.BatchNorm2d) and bn.training and bn.affine and bn.track_running_stats
+            and bn.momentum is not None and covers(x)
+            and all(t.dtype == x.dtype and t.is_contiguous() and t.device == x.device
+                    for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var)))
+
+
+def batch_norm_relu_pool(x: torch.Tensor, bn: torch.nn.BatchNorm2d) -> torch.Tensor:
+    """F.max_pool2d(torch.relu(bn(x)), 2) for a training-mode bn (`covers_batch_norm`): batch statistics (in
+    double), bn's running statistics updated in place as BatchNorm2d does, gradients for x, weight and bias."""
+    if bn.num_batches_tracked is not None:  # pfedkit's FlatModel drops it; a plain module counts as BatchNorm2d does
+        bn.num_batches_tracked.add_(1)
+    return _BatchNormReluPool.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.momentum, bn.eps)
