@@ -92,6 +92,35 @@ def test_batch_norm_relu_pool_equals_pytorch(shape, dtype):
     assert not native.covers_batch_norm(x, bn.eval()) and not native.covers_batch_norm(x, torch.nn.Identity())
 
 
+@pytest.mark.parametrize("shape", [(4, 2, 2, 2), (3, 3, 4, 6), (2, 1, 8, 34)])
+def test_the_kernels_touch_nothing_outside_their_tensors(shape):
+    """A row's partial last block reads and writes past the row (models/kernels.c): every tensor here is a slice of
+    a larger buffer with sentinels after it, which must come out unchanged."""
+    n, c, h, w = shape
+    pooled = n * c * (h // 2) * (w // 2)
+    sentinel = 1234.5
+
+    def within(size, dtype=torch.float32):
+        buffer = torch.full((size + 64,), sentinel if dtype.is_floating_point else 77, dtype=dtype)
+        return buffer, buffer[:size]
+    z_buf, z = within(n * c * h * w)
+    z.copy_(torch.randn(z.numel()))
+    (out_buf, out), (code_buf, code), (taken_buf, taken) = within(pooled), within(pooled, torch.uint8), within(pooled)
+    (dz_buf, dz), (g_buf, g) = within(n * c * h * w), within(pooled)
+    g.copy_(torch.randn(pooled))
+    w_, b_, rm, rv = torch.ones(c), torch.zeros(c), torch.zeros(c), torch.ones(c)
+    mean, invstd = torch.empty(c, dtype=torch.float64), torch.empty(c, dtype=torch.float64)
+    dw, db = torch.empty(c), torch.empty(c)
+    native._call("relu_pool", torch.float32, z, out, code, *shape)
+    native._call("relu_pool_backward", torch.float32, g, code, dz, *shape)
+    native._call("bn_relu_pool", torch.float32, z, w_, b_, rm, rv, 0.1, 1e-5, out, code, taken, mean, invstd, *shape)
+    native._call("bn_relu_pool_backward", torch.float32, g, code, taken, z, w_, mean, invstd, dz, dw, db, *shape)
+    for buf, size in ((z_buf, z.numel()), (out_buf, pooled), (taken_buf, pooled), (dz_buf, dz.numel()),
+                      (g_buf, pooled)):
+        assert torch.all(buf[size:] == sentinel)
+    assert torch.all(code_buf[pooled:] == 77)
+
+
 def test_gradient_goes_to_the_first_maximum_of_a_window():
     """Hand-made windows (row-major in the window): the gradient lands where max_pool2d puts it."""
     x = torch.tensor([[[[1.0, 2.0, 0.0, -1.0, 3.0, 3.0, -2.0, -2.0],

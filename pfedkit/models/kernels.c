@@ -61,9 +61,10 @@ static inline void store_quarters_##SUF(quarters_##SUF v, T *r0, T *r1) {       
     store_##SUF(r1 + LANES, __builtin_shuffle(v.q[2], v.q[3], high));                                       \
 }                                                                                                           \
                                                                                                             \
-/* relu(x * scale + shift) pooled: LANES outputs and their codes */                                          \
+/* relu(x * scale + shift) pooled: LANES outputs, their codes and (taken != 0) the input x each output was   \
+ * taken from (BatchNorm's backward sums need it) */                                                        \
 static inline void forward_block_##SUF(const T *r0, const T *r1, vec_##SUF scale, vec_##SUF shift,         \
-                                       T *out, uint8_t *code) {                                             \
+                                       T *out, uint8_t *code, T *taken) {                                   \
     quarters_##SUF v = quarters_##SUF##_of(r0, r1);                                                         \
     vec_##SUF a = relu_##SUF(v.q[0] * scale + shift), b = relu_##SUF(v.q[1] * scale + shift);              \
     vec_##SUF c = relu_##SUF(v.q[2] * scale + shift), d = relu_##SUF(v.q[3] * scale + shift);              \
@@ -77,6 +78,10 @@ static inline void forward_block_##SUF(const T *r0, const T *r1, vec_##SUF scale
     at = (at & ~dead) | (dead & NO_GRAD);                                                                   \
     code_##SUF c8 = __builtin_convertvector(at, code_##SUF);                                                \
     store_##SUF(out, best); memcpy(code, &c8, LANES);                                                       \
+    if (taken) {                                                                                            \
+        vec_##SUF x_top = pick_##SUF(top_right, v.q[1], v.q[0]), x_bottom = pick_##SUF(bottom_right, v.q[3], v.q[2]); \
+        store_##SUF(taken, pick_##SUF(lower, x_bottom, x_top));                                             \
+    }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
 /* the pooled gradient g of LANES windows as the gradient of their four quarters (zero where not taken) */   \
@@ -88,66 +93,78 @@ static inline quarters_##SUF spread_##SUF(const T *g, const uint8_t *code) {    
     return out;                                                                                             \
 }                                                                                                           \
                                                                                                             \
-/* Every window row of a plane: whole blocks in place, the last partial block through zero-padded copies     \
- * (a code of NO_GRAD pads the codes, so padding takes no gradient) */                                      \
-static void forward_plane_##SUF(const T *z, T *out, uint8_t *code, int64_t h, int64_t w, T scale, T shift) { \
+/* Every window row of a plane. A row's last, partial block reads and writes past the row's end: what it      \
+ * reads there is discarded and what it writes is the next row's, written again when that row's turn comes    \
+ * (rows and planes go in memory order). Where less than a block's spill-over is left in the tensors (`rest`:  \
+ * the planes after this one), it goes through zero-padded copies, so nothing outside them is touched. */     \
+static void forward_plane_##SUF(const T *z, T *out, uint8_t *code, T *taken, int64_t h, int64_t w, T scale,  \
+                                T shift, int64_t rest) {                                                    \
     int64_t ow = w / 2;                                                                                     \
     vec_##SUF sc = scale - (vec_##SUF){0}, sh = shift - (vec_##SUF){0};                                     \
     for (int64_t r = 0; r < h / 2; r++) {                                                                   \
         const T *r0 = z + 2 * r * w, *r1 = r0 + w;                                                          \
-        T *o = out + r * ow; uint8_t *c = code + r * ow;                                                    \
-        int64_t j = 0;                                                                                      \
-        for (; j + LANES <= ow; j += LANES) forward_block_##SUF(r0 + 2 * j, r1 + 2 * j, sc, sh, o + j, c + j); \
+        T *o = out + r * ow, *t = taken ? taken + r * ow : 0; uint8_t *c = code + r * ow;                   \
+        int64_t j = 0, padded = LANES - ow % LANES > (h / 2 - 1 - r + rest * (h / 2)) * ow;                 \
+        for (; j + LANES <= ow || (j < ow && !padded); j += LANES)                                          \
+            forward_block_##SUF(r0 + 2 * j, r1 + 2 * j, sc, sh, o + j, c + j, t ? t + j : 0);               \
         if (j < ow) {                                                                                       \
-            T t0[2 * LANES] = {0}, t1[2 * LANES] = {0}, to[LANES]; uint8_t tc[LANES]; int64_t n = ow - j;   \
+            T t0[2 * LANES] = {0}, t1[2 * LANES] = {0}, to[LANES], tt[LANES]; uint8_t tc[LANES];            \
+            int64_t n = ow - j;                                                                             \
             memcpy(t0, r0 + 2 * j, 2 * n * sizeof(T)); memcpy(t1, r1 + 2 * j, 2 * n * sizeof(T));           \
-            forward_block_##SUF(t0, t1, sc, sh, to, tc);                                                    \
+            forward_block_##SUF(t0, t1, sc, sh, to, tc, tt);                                                \
             memcpy(o + j, to, n * sizeof(T)); memcpy(c + j, tc, n);                                         \
+            if (t) memcpy(t + j, tt, n * sizeof(T));                                                        \
         }                                                                                                   \
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
-/* The input gradient of a plane: k_dy * (spread g) + k0 + k1 * z (relu_pool: 1, 0, 0 and no z) */         \
+/* The input gradient of a plane: k_dy * (spread g) + k0 + k1 * z (relu_pool: 1, 0, 0 and no z). A row's   \
+ * partial last block reads past the row's end (discarded; padded copies where the tensors end, as in        \
+ * forward_plane) and writes back only its own elements. */                                                  \
 static inline void backward_block_##SUF(const T *g, const uint8_t *code, const T *z0, const T *z1,          \
-                                        vec_##SUF k_dy, vec_##SUF k0, vec_##SUF k1, T *r0, T *r1) {         \
+                                        vec_##SUF k_dy, vec_##SUF k0, vec_##SUF k1, T *r0, T *r1, int64_t n) { \
     quarters_##SUF dy = spread_##SUF(g, code);                                                              \
     if (z0) {                                                                                               \
         quarters_##SUF z = quarters_##SUF##_of(z0, z1);                                                     \
         for (int k = 0; k < 4; k++) dy.q[k] = k_dy * dy.q[k] + (k0 + k1 * z.q[k]);                          \
     }                                                                                                       \
-    store_quarters_##SUF(dy, r0, r1);                                                                       \
+    if (n >= LANES) { store_quarters_##SUF(dy, r0, r1); return; }                                           \
+    T v0[2 * LANES], v1[2 * LANES];                                                                         \
+    store_quarters_##SUF(dy, v0, v1);                                                                       \
+    memcpy(r0, v0, 2 * n * sizeof(T)); memcpy(r1, v1, 2 * n * sizeof(T));                                   \
 }                                                                                                           \
 static void backward_plane_##SUF(const T *g, const uint8_t *code, const T *z, T *dz, int64_t h, int64_t w,  \
-                                 T k_dy, T k0, T k1) {                                                      \
+                                 T k_dy, T k0, T k1, int64_t rest) {                                        \
     int64_t ow = w / 2;                                                                                     \
     vec_##SUF a = k_dy - (vec_##SUF){0}, b = k0 - (vec_##SUF){0}, c1 = k1 - (vec_##SUF){0};                 \
     for (int64_t r = 0; r < h / 2; r++) {                                                                   \
         const T *gr = g + r * ow, *z0 = z ? z + 2 * r * w : 0, *z1 = z ? z0 + w : 0;                        \
         const uint8_t *c = code + r * ow;                                                                   \
         T *d0 = dz + 2 * r * w, *d1 = d0 + w;                                                               \
-        int64_t j = 0;                                                                                      \
-        for (; j + LANES <= ow; j += LANES)                                                                 \
+        int64_t j = 0, padded = LANES - ow % LANES > (h / 2 - 1 - r + rest * (h / 2)) * ow;                 \
+        for (; j + LANES <= ow || (j < ow && !padded); j += LANES)                                          \
             backward_block_##SUF(gr + j, c + j, z ? z0 + 2 * j : 0, z ? z1 + 2 * j : 0, a, b, c1,           \
-                                 d0 + 2 * j, d1 + 2 * j);                                                   \
+                                 d0 + 2 * j, d1 + 2 * j, ow - j);                                           \
         if (j < ow) {                                                                                       \
-            T tg[LANES] = {0}, t0[2 * LANES] = {0}, t1[2 * LANES] = {0}, o0[2 * LANES], o1[2 * LANES];      \
+            T tg[LANES] = {0}, t0[2 * LANES] = {0}, t1[2 * LANES] = {0};                                    \
             uint8_t tc[LANES]; int64_t n = ow - j;                                                          \
             memset(tc, NO_GRAD, LANES); memcpy(tg, gr + j, n * sizeof(T)); memcpy(tc, c + j, n);            \
             if (z) { memcpy(t0, z0 + 2 * j, 2 * n * sizeof(T)); memcpy(t1, z1 + 2 * j, 2 * n * sizeof(T)); } \
-            backward_block_##SUF(tg, tc, z ? t0 : 0, z ? t1 : 0, a, b, c1, o0, o1);                         \
-            memcpy(d0 + 2 * j, o0, 2 * n * sizeof(T)); memcpy(d1 + 2 * j, o1, 2 * n * sizeof(T));           \
+            backward_block_##SUF(tg, tc, z ? t0 : 0, z ? t1 : 0, a, b, c1, d0 + 2 * j, d1 + 2 * j, n);      \
         }                                                                                                   \
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
 void relu_pool_##SUF(const T *z, T *out, uint8_t *code, int64_t n, int64_t c, int64_t h, int64_t w) {       \
+    int64_t o = (h / 2) * (w / 2);                                                                          \
     for (int64_t p = 0; p < n * c; p++)                                                                     \
-        forward_plane_##SUF(z + p * h * w, out + p * (h / 2) * (w / 2), code + p * (h / 2) * (w / 2), h, w, 1, 0); \
+        forward_plane_##SUF(z + p * h * w, out + p * o, code + p * o, 0, h, w, 1, 0, n * c - 1 - p);        \
 }                                                                                                           \
 void relu_pool_backward_##SUF(const T *g, const uint8_t *code, T *dz, int64_t n, int64_t c, int64_t h,      \
                               int64_t w) {                                                                  \
     int64_t o = (h / 2) * (w / 2);                                                                          \
-    for (int64_t p = 0; p < n * c; p++) backward_plane_##SUF(g + p * o, code + p * o, 0, dz + p * h * w, h, w, 1, 0, 0); \
+    for (int64_t p = 0; p < n * c; p++)                                                                     \
+        backward_plane_##SUF(g + p * o, code + p * o, 0, dz + p * h * w, h, w, 1, 0, 0, n * c - 1 - p);     \
 }                                                                                                           \
                                                                                                             \
 /* Sums of (v - shift) and (v - shift)^2 over len elements, in double */                                    \
@@ -164,25 +181,12 @@ static void sums_##SUF(const T *v, int64_t len, double shift, double *s1, double
     *s1 += x; *s2 += y;                                                                                     \
 }                                                                                                           \
                                                                                                             \
-/* Adds a window block's sum of dy and of dy times the input it was taken from (in double: exact products    \
- * for float32) */                                                                                          \
-static inline void taken_sums_##SUF(const T *g, const uint8_t *code, const T *z0, const T *z1,             \
-                                    wide_##SUF *sum_dy, wide_##SUF *sum_dy_z) {                             \
-    code_##SUF c8; memcpy(&c8, code, LANES);                                                                \
-    mask_##SUF at = __builtin_convertvector(c8, mask_##SUF);                                                \
-    quarters_##SUF zq = quarters_##SUF##_of(z0, z1);                                                        \
-    vec_##SUF taken = pick_##SUF(at == 0, zq.q[0], pick_##SUF(at == 1, zq.q[1], pick_##SUF(at == 2, zq.q[2], zq.q[3]))); \
-    vec_##SUF dy = (vec_##SUF)((mask_##SUF)load_##SUF(g) & (at != NO_GRAD));                                \
-    wide_##SUF d = __builtin_convertvector(dy, wide_##SUF);                                                 \
-    *sum_dy += d;                                                                                           \
-    *sum_dy_z += d * __builtin_convertvector(taken, wide_##SUF);                                            \
-}                                                                                                           \
-                                                                                                            \
 /* Training-mode BatchNorm2d (biased variance to normalize, unbiased into the running variance, PyTorch's    \
- * momentum convention), then relu_pool. mean and invstd (C doubles) are kept for the backward pass. */      \
+ * momentum convention), then relu_pool. mean, invstd (C doubles) and the input each output was taken from     \
+ * (`taken`, the output's shape) are kept for the backward pass. */                                           \
 void bn_relu_pool_##SUF(const T *z, const T *weight, const T *bias, T *running_mean, T *running_var,         \
-                        double momentum, double eps, T *out, uint8_t *code, double *mean, double *invstd,   \
-                        int64_t n, int64_t c, int64_t h, int64_t w) {                                       \
+                        double momentum, double eps, T *out, uint8_t *code, T *taken, double *mean,         \
+                        double *invstd, int64_t n, int64_t c, int64_t h, int64_t w) {                       \
     int64_t hw = h * w, o = (h / 2) * (w / 2);                                                              \
     double m = (double)n * hw;                                                                              \
     for (int64_t ch = 0; ch < c; ch++) {                                                                    \
@@ -195,42 +199,39 @@ void bn_relu_pool_##SUF(const T *z, const T *weight, const T *bias, T *running_m
         running_mean[ch] = (T)(momentum * mean[ch] + (1 - momentum) * running_mean[ch]);                    \
         running_var[ch] = (T)(momentum * var * m / (m - 1) + (1 - momentum) * running_var[ch]);             \
     }                                                                                                       \
-    for (int64_t b = 0; b < n; b++)                                                                         \
-        for (int64_t ch = 0; ch < c; ch++) {                                                                \
-            double scale = weight[ch] * invstd[ch];                                                         \
-            forward_plane_##SUF(z + (b * c + ch) * hw, out + (b * c + ch) * o, code + (b * c + ch) * o, h, w, \
-                                (T)scale, (T)(bias[ch] - mean[ch] * scale));                                \
-        }                                                                                                   \
+    for (int64_t p = 0; p < n * c; p++) {  /* planes in memory order (forward_plane's spill-over) */        \
+        int64_t ch = p % c;                                                                                 \
+        double scale = weight[ch] * invstd[ch];                                                             \
+        forward_plane_##SUF(z + p * hw, out + p * o, code + p * o, taken + p * o, h, w, (T)scale,           \
+                            (T)(bias[ch] - mean[ch] * scale), n * c - 1 - p);                               \
+    }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
 /* Its gradient: dbias = sum dy, dweight = sum dy * xhat, dz = weight * invstd * (dy - mean(dy)              \
- * - xhat * mean(dy * xhat)), dy being the pooled gradient spread to the windows' taken positions */          \
-void bn_relu_pool_backward_##SUF(const T *g, const uint8_t *code, const T *z, const T *weight,               \
+ * - xhat * mean(dy * xhat)), dy being the pooled gradient g at the windows' taken positions, so that both    \
+ * sums run over the pooled arrays (in double: exact products for float32) */                               \
+void bn_relu_pool_backward_##SUF(const T *g, const uint8_t *code, const T *taken, const T *z, const T *weight, \
                                  const double *mean, const double *invstd, T *dz, T *dweight, T *dbias,     \
                                  int64_t n, int64_t c, int64_t h, int64_t w) {                              \
-    int64_t hw = h * w, o = (h / 2) * (w / 2), ow = w / 2;                                                  \
+    int64_t hw = h * w, o = (h / 2) * (w / 2);                                                              \
     double m = (double)n * hw;                                                                              \
     for (int64_t ch = 0; ch < c; ch++) {                                                                    \
         wide_##SUF sum_dy = {0}, sum_dy_z = {0};                                                            \
-        for (int64_t b = 0; b < n; b++) {                                                                   \
-            const T *zp = z + (b * c + ch) * hw, *gp = g + (b * c + ch) * o;                                \
-            const uint8_t *cp = code + (b * c + ch) * o;                                                    \
-            for (int64_t r = 0; r < h / 2; r++) {                                                           \
-                const T *z0 = zp + 2 * r * w, *z1 = z0 + w, *gr = gp + r * ow;                              \
-                const uint8_t *cr = cp + r * ow;                                                            \
-                int64_t j = 0;                                                                              \
-                for (; j + LANES <= ow; j += LANES)                                                         \
-                    taken_sums_##SUF(gr + j, cr + j, z0 + 2 * j, z1 + 2 * j, &sum_dy, &sum_dy_z);           \
-                if (j < ow) {                                                                               \
-                    T tg[LANES] = {0}, t0[2 * LANES] = {0}, t1[2 * LANES] = {0}; uint8_t tc[LANES];         \
-                    int64_t k = ow - j;                                                                     \
-                    memset(tc, NO_GRAD, LANES); memcpy(tc, cr + j, k); memcpy(tg, gr + j, k * sizeof(T));   \
-                    memcpy(t0, z0 + 2 * j, 2 * k * sizeof(T)); memcpy(t1, z1 + 2 * j, 2 * k * sizeof(T));   \
-                    taken_sums_##SUF(tg, tc, t0, t1, &sum_dy, &sum_dy_z);                                   \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
         double sdy = 0, sdz = 0;                                                                            \
+        for (int64_t b = 0; b < n; b++) {                                                                   \
+            const T *gp = g + (b * c + ch) * o, *tp = taken + (b * c + ch) * o;                             \
+            const uint8_t *cp = code + (b * c + ch) * o;                                                    \
+            int64_t i = 0;                                                                                  \
+            for (; i + LANES <= o; i += LANES) {                                                            \
+                code_##SUF c8; memcpy(&c8, cp + i, LANES);                                                  \
+                mask_##SUF live = __builtin_convertvector(c8, mask_##SUF) != NO_GRAD;                       \
+                wide_##SUF d = __builtin_convertvector((vec_##SUF)((mask_##SUF)load_##SUF(gp + i) & live), wide_##SUF); \
+                sum_dy += d;                                                                                \
+                sum_dy_z += d * __builtin_convertvector(load_##SUF(tp + i), wide_##SUF);                    \
+            }                                                                                               \
+            for (; i < o; i++)                                                                              \
+                if (cp[i] != NO_GRAD) { sdy += gp[i]; sdz += (double)gp[i] * tp[i]; }                      \
+        }                                                                                                   \
         for (int k = 0; k < LANES; k++) { sdy += sum_dy[k]; sdz += sum_dy_z[k]; }                           \
         double sdx = invstd[ch] * (sdz - mean[ch] * sdy);  /* sum of dy * xhat */                           \
         double k_dy = weight[ch] * invstd[ch], k1 = -k_dy * invstd[ch] * sdx / m;                           \
@@ -238,7 +239,8 @@ void bn_relu_pool_backward_##SUF(const T *g, const uint8_t *code, const T *z, co
         dbias[ch] = (T)sdy; dweight[ch] = (T)sdx;                                                           \
         for (int64_t b = 0; b < n; b++)                                                                     \
             backward_plane_##SUF(g + (b * c + ch) * o, code + (b * c + ch) * o, z + (b * c + ch) * hw,      \
-                                 dz + (b * c + ch) * hw, h, w, (T)k_dy, (T)k0, (T)k1);                      \
+                                 dz + (b * c + ch) * hw, h, w, (T)k_dy, (T)k0, (T)k1,                       \
+                                 n * c - 1 - (b * c + ch));                                                 \
     }                                                                                                       \
 }
 

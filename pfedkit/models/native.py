@@ -34,8 +34,8 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "relu_pool": [_P] * 3 + [_I] * 4,
     "relu_pool_backward": [_P] * 3 + [_I] * 4,
-    "bn_relu_pool": [_P] * 5 + [_D, _D] + [_P] * 4 + [_I] * 4,
-    "bn_relu_pool_backward": [_P] * 9 + [_I] * 4,
+    "bn_relu_pool": [_P] * 5 + [_D, _D] + [_P] * 5 + [_I] * 4,
+    "bn_relu_pool_backward": [_P] * 10 + [_I] * 4,
 }
 
 _lock = threading.Lock()
@@ -142,19 +142,19 @@ class _BatchNormReluPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, weight, bias, running_mean, running_var, momentum, eps):
         out = z.new_empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2)
-        code = torch.empty(out.shape, dtype=torch.uint8)
+        code, taken = torch.empty(out.shape, dtype=torch.uint8), torch.empty_like(out)
         mean, invstd = (torch.empty(z.shape[1], dtype=torch.float64) for _ in range(2))
-        _call("bn_relu_pool", z.dtype, z, weight, bias, running_mean, running_var, momentum, eps, out, code, mean,
-              invstd, *z.shape)
-        ctx.save_for_backward(z, weight, code, mean, invstd)
+        _call("bn_relu_pool", z.dtype, z, weight, bias, running_mean, running_var, momentum, eps, out, code, taken,
+              mean, invstd, *z.shape)
+        ctx.save_for_backward(z, weight, code, taken, mean, invstd)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        z, weight, code, mean, invstd = ctx.saved_tensors
+        z, weight, code, taken, mean, invstd = ctx.saved_tensors
         grad = grad.contiguous()
         grad_in, grad_weight, grad_bias = torch.empty_like(z), torch.empty_like(weight), torch.empty_like(weight)
-        _call("bn_relu_pool_backward", z.dtype, grad, code, z, weight, mean, invstd, grad_in, grad_weight, grad_bias,
+        _call("bn_relu_pool_backward", z.dtype, grad, code, taken, z, weight, mean, invstd, grad_in, grad_weight, grad_bias,
               *z.shape)
         return grad_in, grad_weight, grad_bias, None, None, None, None
 
