@@ -121,6 +121,44 @@ def test_the_kernels_touch_nothing_outside_their_tensors(shape):
     assert torch.all(code_buf[pooled:] == 77)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(32, 16, 28, 28), (3, 6, 28, 28), (2, 9, 11, 13), (1, 1, 5, 12)])
+def test_first_conv_equals_pytorch(shape, dtype):
+    """The one-channel 5x5 convolution: output, weight and bias gradients against F.conv2d in float64 (widths that
+    leave a shifted, overlapping last block: 24 = 3 x 8, 9 = 8 + 1, 12 - 4 = 8 exactly), more than 8 output
+    channels (two register groups) and fewer. In float32 each result is at least as near the float64 one as
+    PyTorch's own float32 convolution (whose weight gradient sums 18,432 products in its own order)."""
+    n, outs, h, w = shape
+    gen = torch.Generator().manual_seed(2)
+    conv = torch.nn.Conv2d(1, outs, 5).to(dtype)
+    exact, torch32 = copy.deepcopy(conv).double(), copy.deepcopy(conv)
+    x = tricky((n, 1, h, w), dtype, 3).nan_to_num(0.25)
+    if w - 4 < native.LANES[dtype]:
+        assert not native.covers_first_conv(x, conv)
+        return
+    assert native.covers_first_conv(x, conv)
+    got, want = native.first_conv(x, conv), exact(x.double())
+    grad = torch.randn(want.shape, dtype=torch.float64, generator=gen)
+    got.backward(grad.to(dtype))
+    want.backward(grad)
+    results = {"output": (got, want)} | {name: (getattr(conv, name).grad, getattr(exact, name).grad)
+                                         for name in ("weight", "bias")}
+    if dtype == torch.float32:
+        theirs = torch32(x)
+        theirs.backward(grad.float())
+        baseline = {"output": theirs, "weight": torch32.weight.grad, "bias": torch32.bias.grad}
+    for name, (mine, reference) in results.items():
+        error = float((mine.detach().double() - reference.detach()).abs().max())
+        if dtype == torch.float64:
+            assert error <= 1e-12 * max(1.0, float(reference.detach().abs().max())), name
+        else:
+            pytorch_error = float((baseline[name].detach().double() - reference.detach()).abs().max())
+            assert error <= max(2 * pytorch_error, 1e-6 * float(reference.detach().abs().max())), (name, error, pytorch_error)
+    assert not native.covers_first_conv(x.clone().requires_grad_(True), conv)  # no input gradient here
+    assert not native.covers_first_conv(x, torch.nn.Conv2d(1, outs, 3).to(dtype))
+    assert not native.covers_first_conv(x, torch.nn.Conv2d(1, outs, 5, padding=1).to(dtype))
+
+
 def test_gradient_goes_to_the_first_maximum_of_a_window():
     """Hand-made windows (row-major in the window): the gradient lands where max_pool2d puts it."""
     x = torch.tensor([[[[1.0, 2.0, 0.0, -1.0, 3.0, 3.0, -2.0, -2.0],

@@ -1,6 +1,6 @@
 """Fused CPU kernels in C (kernels.c), compiled once per machine with the host's C compiler and called through
-ctypes: ReLU + 2x2 max pooling, and training-mode BatchNorm + ReLU + pooling, the hot spot of a small CNN's
-training step on a CPU.
+ctypes: ReLU + 2x2 max pooling, training-mode BatchNorm + ReLU + pooling, and the 5x5 convolution of one-channel
+images, the hot spots of a small CNN's training step on a CPU.
 
 The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, or
 with PFEDKIT_NATIVE=0 in the environment, the models (nets.relu_pool) run the same arithmetic in PyTorch: the
@@ -36,7 +36,10 @@ SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "relu_pool_backward": [_P] * 3 + [_I] * 4,
     "bn_relu_pool": [_P] * 5 + [_D, _D] + [_P] * 5 + [_I] * 4,
     "bn_relu_pool_backward": [_P] * 10 + [_I] * 4,
+    "conv1": [_P] * 4 + [_I] * 4,
+    "conv1_weight_grad": [_P] * 4 + [_I] * 4,
 }
+LANES = {torch.float32: 8, torch.float64: 4}  # the kernels' vector width (kernels.c: 32 bytes)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -163,6 +166,48 @@ def relu_pool(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool2d(torch.relu(x), 2) through the C kernels, for an x they cover (`covers`): the same values and
     the same gradient."""
     return _ReluPool.apply(x)
+
+
+class _FirstConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        n, _, h, w = x.shape
+        out = x.new_empty(n, weight.shape[0], h - 4, w - 4)
+        _call("conv1", x.dtype, x, weight, bias, out, n, h, w, weight.shape[0])
+        ctx.save_for_backward(x)
+        ctx.weight_shape = weight.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        n, _, h, w = x.shape
+        grad_weight = grad.new_empty(ctx.weight_shape)
+        grad_bias = grad.new_empty(ctx.weight_shape[0])
+        _call("conv1_weight_grad", x.dtype, x, grad, grad_weight, grad_bias, n, h, w, ctx.weight_shape[0])
+        return None, grad_weight, grad_bias
+
+
+def covers_first_conv(x: torch.Tensor, conv: torch.nn.Module) -> bool:
+    """Whether `first_conv` takes x and conv: one-channel contiguous CPU images that need no gradient, a 5x5
+    Conv2d with bias, stride 1, no padding, whose weight's (out, 5, 5) elements lie row-major (the standard and the
+    channels_last layout alike, with one input channel), and outputs at least a vector wide."""
+    if not (isinstance(conv, torch.nn.Conv2d) and conv.in_channels == 1 and conv.kernel_size == (5, 5)
+            and conv.stride == (1, 1) and conv.padding == (0, 0) and conv.dilation == (1, 1) and conv.groups == 1
+            and conv.bias is not None and conv.padding_mode == "zeros"):
+        return False
+    weight = conv.weight
+    return (x.device.type == "cpu" and x.dim() == 4 and x.shape[1] == 1 and x.dtype in SUFFIX
+            and x.is_contiguous() and not x.requires_grad and x.shape[2] >= 5 and x.shape[3] - 4 >= LANES[x.dtype]
+            and weight.dtype == x.dtype and conv.bias.dtype == x.dtype and weight.device == x.device
+            and weight.stride()[0] == 25 and weight.stride()[2:] == (5, 1) and conv.bias.is_contiguous()
+            and library() is not None)
+
+
+def first_conv(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
+    """conv(x) for one-channel images (`covers_first_conv`), with the weight and bias gradients."""
+    return _FirstConv.apply(x, conv.weight, conv.bias)
 
 
 def covers_batch_norm(x: torch.Tensor, bn: torch.nn.Module) -> bool:
