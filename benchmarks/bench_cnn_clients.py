@@ -7,9 +7,13 @@ runs alternate and the best of `--repeats` is kept. Prints client-steps/s and th
     python benchmarks/bench_cnn_clients.py [--epochs 2] [--repeats 3] [--models cnn,cnn_bn,lenet5] [--compile] [--smoke]
 
 Candidates:
-  bare            nn.Module + torch.optim.SGD, one client after another, PyTorch's threads (the reference)
+  bare            nn.Module + torch.optim.SGD, one client after another, PyTorch's threads (the reference; the model's
+                  forward in plain PyTorch: bench_local_training.PlainCNN)
   bare-1thread    the same on one intra-op thread
-  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0)
+  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0),
+                  the models' C kernels in use (models/native.py: ReLU + pooling, BatchNorm fused with them, the first
+                  convolution of BatchNorm models)
+  engine-pytorch  the same on PyTorch's own kernels only (what the engine did before the C kernels)
   engine-1by1     the Cohort one client after another (local.workers=1, a Flower ClientApp's way); both rows hold a
                   BN-free model's conv weights channels_last (models/layers.py), a BN model's in the standard
                   layout (channels_last BatchNorm sums its gradients less exactly)
@@ -156,14 +160,17 @@ class HandBN(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def torch_pool():
-    """pfedkit's models without the fused C kernel (models/native.py) while the candidate runs."""
-    kept = nets.native.covers
-    nets.native.covers = lambda x: False
+def without_kernels():
+    """pfedkit's models on PyTorch's own kernels (none of models/native.py's) while the candidate runs."""
+    names = ("covers", "covers_batch_norm", "covers_first_conv")
+    kept = [getattr(nets.native, name) for name in names]
+    for name in names:
+        setattr(nets.native, name, lambda *args: False)
     try:
         yield
     finally:
-        nets.native.covers = kept
+        for name, fn in zip(names, kept):
+            setattr(nets.native, name, fn)
 
 
 def with_hand_bn(net):
@@ -247,7 +254,7 @@ def main() -> None:
             "no-mkldnn": (lambda: torch.backends.mkldnn.flags(enabled=False), plain),
             "engine-3workers": (None, engine(cfg, data, 3)),
             "hand-pool": (None, lambda: bare(PlainCNN(net, pool=HandPool.apply), work, lr)),
-            "engine-torchpool": (torch_pool, engine(cfg, data, 0)),
+            "engine-pytorch": (without_kernels, engine(cfg, data, 0)),
         }
         if name != "cnn":
             hand = with_hand_bn(net)

@@ -43,6 +43,7 @@ LANES = {torch.float32: 8, torch.float64: 4}  # the kernels' vector width (kerne
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
+_kernels: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}  # (name, dtype): the typed function
 _tried = False
 why_not = ""  # why the kernels are not in use, when they are not (README "Speed"; pfedkit's own tests print it)
 
@@ -101,10 +102,11 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 lib = ctypes.CDLL(str(_build(cc)))
-                for suffix in SUFFIX.values():
+                for dtype, suffix in SUFFIX.items():
                     for name, argtypes in SIGNATURES.items():
                         fn = getattr(lib, f"{name}_{suffix}")
                         fn.argtypes, fn.restype = argtypes, None
+                        _kernels[name, dtype] = fn
                 _library = lib
             except (OSError, subprocess.SubprocessError) as e:
                 why_not = f"building {SOURCE.name} failed: {e}"
@@ -119,7 +121,7 @@ def covers(x: torch.Tensor) -> bool:
 
 
 def _call(name: str, dtype: torch.dtype, *args) -> None:
-    getattr(library(), f"{name}_{SUFFIX[dtype]}")(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+    _kernels[name, dtype](*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
 
 
 class _ReluPool(torch.autograd.Function):
