@@ -167,6 +167,47 @@ void relu_pool_backward_##SUF(const T *g, const uint8_t *code, T *dz, int64_t n,
         backward_plane_##SUF(g + p * o, code + p * o, 0, dz + p * h * w, h, w, 1, 0, 0, n * c - 1 - p);     \
 }                                                                                                           \
                                                                                                             \
+/* The same for channels_last tensors, (N, H, W, C) in memory with C a multiple of LANES: a window's four         \
+ * positions are four contiguous channel vectors, so no shuffles; scanned in the same order, with the same rule */ \
+void relu_pool_nhwc_##SUF(const T *z, T *out, uint8_t *code, int64_t n, int64_t c, int64_t h, int64_t w) {  \
+    int64_t oh = h / 2, ow = w / 2;                                                                         \
+    for (int64_t b = 0; b < n; b++)                                                                         \
+        for (int64_t i = 0; i < oh; i++)                                                                    \
+            for (int64_t j = 0; j < ow; j++) {                                                              \
+                const T *p0 = z + ((b * h + 2 * i) * w + 2 * j) * c, *p1 = p0 + w * c;                      \
+                T *o = out + ((b * oh + i) * ow + j) * c; uint8_t *cd = code + ((b * oh + i) * ow + j) * c; \
+                for (int64_t k = 0; k < c; k += LANES) {                                                    \
+                    vec_##SUF a = relu_##SUF(load_##SUF(p0 + k)), bb = relu_##SUF(load_##SUF(p0 + c + k));  \
+                    vec_##SUF cc = relu_##SUF(load_##SUF(p1 + k)), d = relu_##SUF(load_##SUF(p1 + c + k));  \
+                    mask_##SUF top_right = later_##SUF(bb, a), bottom_right = later_##SUF(d, cc);           \
+                    vec_##SUF top = pick_##SUF(top_right, bb, a), bottom = pick_##SUF(bottom_right, d, cc); \
+                    mask_##SUF lower = later_##SUF(bottom, top);                                            \
+                    vec_##SUF best = pick_##SUF(lower, bottom, top);                                        \
+                    mask_##SUF at = (lower & (2 - bottom_right)) | (~lower & -top_right);                   \
+                    mask_##SUF dead = best <= 0;                                                            \
+                    at = (at & ~dead) | (dead & NO_GRAD);                                                   \
+                    code_##SUF c8 = __builtin_convertvector(at, code_##SUF);                                \
+                    store_##SUF(o + k, best); memcpy(cd + k, &c8, LANES);                                   \
+                }                                                                                           \
+            }                                                                                               \
+}                                                                                                           \
+void relu_pool_nhwc_backward_##SUF(const T *g, const uint8_t *code, T *dz, int64_t n, int64_t c, int64_t h,  \
+                                   int64_t w) {                                                             \
+    int64_t oh = h / 2, ow = w / 2;                                                                         \
+    for (int64_t b = 0; b < n; b++)                                                                         \
+        for (int64_t i = 0; i < oh; i++)                                                                    \
+            for (int64_t j = 0; j < ow; j++) {                                                              \
+                T *p0 = dz + ((b * h + 2 * i) * w + 2 * j) * c, *p1 = p0 + w * c;                            \
+                const T *gr = g + ((b * oh + i) * ow + j) * c;                                              \
+                const uint8_t *cd = code + ((b * oh + i) * ow + j) * c;                                     \
+                for (int64_t k = 0; k < c; k += LANES) {                                                    \
+                    quarters_##SUF q = spread_##SUF(gr + k, cd + k);                                        \
+                    store_##SUF(p0 + k, q.q[0]); store_##SUF(p0 + c + k, q.q[1]);                           \
+                    store_##SUF(p1 + k, q.q[2]); store_##SUF(p1 + c + k, q.q[3]);                           \
+                }                                                                                           \
+            }                                                                                               \
+}                                                                                                           \
+                                                                                                            \
 /* Sums of (v - shift) and (v - shift)^2 over len elements, in double */                                    \
 static void sums_##SUF(const T *v, int64_t len, double shift, double *s1, double *s2) {                     \
     wide_##SUF a = {0}, b = {0}, sh = shift - (wide_##SUF){0};                                              \

@@ -34,6 +34,8 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "relu_pool": [_P] * 3 + [_I] * 4,
     "relu_pool_backward": [_P] * 3 + [_I] * 4,
+    "relu_pool_nhwc": [_P] * 3 + [_I] * 4,
+    "relu_pool_nhwc_backward": [_P] * 3 + [_I] * 4,
     "bn_relu_pool": [_P] * 5 + [_D, _D] + [_P] * 5 + [_I] * 4,
     "bn_relu_pool_backward": [_P] * 10 + [_I] * 4,
     "conv1": [_P] * 4 + [_I] * 4,
@@ -115,9 +117,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def covers(x: torch.Tensor) -> bool:
-    """Whether the kernels take x: a contiguous (N, C, H, W) float32/float64 CPU tensor with even H and W."""
-    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in SUFFIX and x.is_contiguous()
-            and x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0 and x.numel() > 0 and library() is not None)
+    """Whether the pooling kernels take x: a (N, C, H, W) float32/float64 CPU tensor with even H and W, contiguous
+    in the standard layout, or in channels_last with C a multiple of the vector width."""
+    if not (x.device.type == "cpu" and x.dim() == 4 and x.dtype in SUFFIX and x.shape[2] % 2 == 0
+            and x.shape[3] % 2 == 0 and x.numel() > 0 and library() is not None):
+        return False
+    return x.is_contiguous() or (x.is_contiguous(memory_format=torch.channels_last)
+                                 and x.shape[1] % LANES[x.dtype] == 0)
 
 
 def _call(name: str, dtype: torch.dtype, *args) -> None:
@@ -127,19 +133,22 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
 class _ReluPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor) -> torch.Tensor:
-        out = z.new_empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2)
-        code = torch.empty(out.shape, dtype=torch.uint8)  # which window position takes the gradient (4: none)
-        _call("relu_pool", z.dtype, z, out, code, *z.shape)
+        # the standard layout, or channels_last (N, H, W, C in memory; where C is 1, the two are the same)
+        layout = torch.contiguous_format if z.is_contiguous() else torch.channels_last
+        name = "relu_pool" if layout == torch.contiguous_format else "relu_pool_nhwc"
+        out = torch.empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2, dtype=z.dtype, memory_format=layout)
+        code = torch.empty_like(out, dtype=torch.uint8)  # which window position takes the gradient (4: none)
+        _call(name, z.dtype, z, out, code, *z.shape)
         ctx.save_for_backward(code)
-        ctx.input_shape = z.shape
+        ctx.input_shape, ctx.layout, ctx.name = z.shape, layout, name
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (code,) = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_in = grad.new_empty(ctx.input_shape)  # the kernel writes every element
-        _call("relu_pool_backward", grad.dtype, grad, code, grad_in, *ctx.input_shape)
+        grad = grad.contiguous(memory_format=ctx.layout)
+        grad_in = torch.empty(ctx.input_shape, dtype=grad.dtype, memory_format=ctx.layout)  # every element written
+        _call(ctx.name + "_backward", grad.dtype, grad, code, grad_in, *ctx.input_shape)
         return grad_in
 
 
@@ -213,10 +222,10 @@ def first_conv(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
 
 
 def covers_batch_norm(x: torch.Tensor, bn: torch.nn.Module) -> bool:
-    """Whether `batch_norm_relu_pool` takes x and bn: x as in `covers`, bn a BatchNorm2d in training mode with an
+    """Whether `batch_norm_relu_pool` takes x and bn: x as in `covers`, in the standard layout, bn a BatchNorm2d in training mode with an
     affine transform, running statistics and a fixed momentum, all contiguous in x's dtype."""
     return (isinstance(bn, torch.nn.BatchNorm2d) and bn.training and bn.affine and bn.track_running_stats
-            and bn.momentum is not None and covers(x)
+            and bn.momentum is not None and covers(x) and x.is_contiguous()
             and all(t.dtype == x.dtype and t.is_contiguous() and t.device == x.device
                     for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var)))
 

@@ -77,8 +77,8 @@ def bn_relu_pool(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def relu_pool(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool2d(torch.relu(x), 2), with its gradient: through the C kernels of models/native.py where they
-    cover x (a standard-layout CPU batch: the BatchNorm models'; 6x PyTorch's kernels for a (32, 16, 24, 24) batch,
-    forward and backward, on one thread), in PyTorch otherwise (channels_last activations, GPU)."""
+    cover x (CPU batches in the standard layout, 6x PyTorch's kernels for a (32, 16, 24, 24) batch forward and
+    backward on one thread, or channels_last, the BN-free models' activations), in PyTorch otherwise (GPU)."""
     if native.covers(x):
         return native.relu_pool(x)
     return max_pool2x2(torch.relu(x))
