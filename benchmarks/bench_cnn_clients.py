@@ -1,7 +1,8 @@
 """A round's CNN clients: every way of running them measured against a bare PyTorch loop, the losers kept.
 
 One round of 10 clients (mnist5k, 4 classes each, batch 32, `--epochs` local epochs, SGD) on pFedHN's CNN with
-and without BatchNorm and on FL-bench's LeNet-5 (BatchNorm, 6 and 16 channels). Every candidate trains the same clients on the same seeded batches from the same start;
+and without BatchNorm and on FL-bench's LeNet-5 (BatchNorm, 6 and 16 channels). Every candidate trains the same
+clients on the same seeded batches from the same start;
 runs alternate and the best of `--repeats` is kept. Prints client-steps/s and the ratio to the bare loop.
 
     python benchmarks/bench_cnn_clients.py [--epochs 2] [--repeats 3] [--models cnn,cnn_bn,lenet5] [--compile] [--smoke]

@@ -2,9 +2,10 @@
 ctypes: ReLU + 2x2 max pooling, training-mode BatchNorm + ReLU + pooling, and the 5x5 convolution of one-channel
 images, the hot spots of a small CNN's training step on a CPU.
 
-The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, or
-with PFEDKIT_NATIVE=0 in the environment, the models (nets.relu_pool) run the same arithmetic in PyTorch: the
-results are equal either way (tests/test_native.py), only the speed differs.
+The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, under
+a torch.func transform (grad, vmap: the kernels are autograd Functions of raw pointers), or with PFEDKIT_NATIVE=0
+in the environment, the models (nets.relu_pool) run the same arithmetic in PyTorch: the pooling is equal bit for
+bit, BatchNorm and the convolution to rounding (tests/test_native.py).
 
 The shared library is built with `-O3 -march=native` into $PFEDKIT_CACHE (default ~/.cache/pfedkit)/native,
 under a name that hashes the source, the compiler's version and the CPU's model and flags, so a cache shared
@@ -25,6 +26,12 @@ import threading
 from pathlib import Path
 
 import torch
+
+try:
+    from torch._C._functorch import peek_interpreter_stack
+except ImportError:  # a torch without torch.func
+    def peek_interpreter_stack():
+        return None
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
@@ -81,7 +88,8 @@ def _build(cc: str) -> Path:
     try:
         done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise OSError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            said = done.stderr.strip().splitlines()
+            raise OSError(f"{cc} failed: {said[-1] if said else done.returncode}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -116,11 +124,16 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
+def _ready() -> bool:
+    """The kernels are built and no torch.func transform is active (its wrapped tensors have no data pointers)."""
+    return library() is not None and peek_interpreter_stack() is None
+
+
 def covers(x: torch.Tensor) -> bool:
     """Whether the pooling kernels take x: a (N, C, H, W) float32/float64 CPU tensor with even H and W, contiguous
     in the standard layout, or in channels_last with C a multiple of the vector width."""
     if not (x.device.type == "cpu" and x.dim() == 4 and x.dtype in SUFFIX and x.shape[2] % 2 == 0
-            and x.shape[3] % 2 == 0 and x.numel() > 0 and library() is not None):
+            and x.shape[3] % 2 == 0 and x.numel() > 0 and _ready()):
         return False
     return x.is_contiguous() or (x.is_contiguous(memory_format=torch.channels_last)
                                  and x.shape[1] % LANES[x.dtype] == 0)
@@ -168,8 +181,8 @@ class _BatchNormReluPool(torch.autograd.Function):
         z, weight, code, taken, mean, invstd = ctx.saved_tensors
         grad = grad.contiguous()
         grad_in, grad_weight, grad_bias = torch.empty_like(z), torch.empty_like(weight), torch.empty_like(weight)
-        _call("bn_relu_pool_backward", z.dtype, grad, code, taken, z, weight, mean, invstd, grad_in, grad_weight, grad_bias,
-              *z.shape)
+        _call("bn_relu_pool_backward", z.dtype, grad, code, taken, z, weight, mean, invstd, grad_in, grad_weight,
+              grad_bias, *z.shape)
         return grad_in, grad_weight, grad_bias, None, None, None, None
 
 
@@ -213,7 +226,7 @@ def covers_first_conv(x: torch.Tensor, conv: torch.nn.Module) -> bool:
             and x.is_contiguous() and not x.requires_grad and x.shape[2] >= 5 and x.shape[3] - 4 >= LANES[x.dtype]
             and weight.dtype == x.dtype and conv.bias.dtype == x.dtype and weight.device == x.device
             and weight.stride()[0] == 25 and weight.stride()[2:] == (5, 1) and conv.bias.is_contiguous()
-            and library() is not None)
+            and _ready())
 
 
 def first_conv(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
@@ -222,8 +235,9 @@ def first_conv(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
 
 
 def covers_batch_norm(x: torch.Tensor, bn: torch.nn.Module) -> bool:
-    """Whether `batch_norm_relu_pool` takes x and bn: x as in `covers`, in the standard layout, bn a BatchNorm2d in training mode with an
-    affine transform, running statistics and a fixed momentum, all contiguous in x's dtype."""
+    """Whether `batch_norm_relu_pool` takes x and bn: x as in `covers`, in the standard layout, bn a BatchNorm2d
+    in training mode with an affine transform, running statistics and a fixed momentum, all contiguous in x's
+    dtype."""
     return (isinstance(bn, torch.nn.BatchNorm2d) and bn.training and bn.affine and bn.track_running_stats
             and bn.momentum is not None and covers(x) and x.is_contiguous()
             and all(t.dtype == x.dtype and t.is_contiguous() and t.device == x.device
