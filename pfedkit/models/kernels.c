@@ -61,11 +61,10 @@ static inline void store_quarters_##SUF(quarters_##SUF v, T *r0, T *r1) {       
     store_##SUF(r1 + LANES, __builtin_shuffle(v.q[2], v.q[3], high));                                       \
 }                                                                                                           \
                                                                                                             \
-/* relu(x * scale + shift) pooled: LANES outputs, their codes and (taken != 0) the input x each output was   \
- * taken from (BatchNorm's backward sums need it) */                                                        \
-static inline void forward_block_##SUF(const T *r0, const T *r1, vec_##SUF scale, vec_##SUF shift,         \
-                                       T *out, uint8_t *code, T *taken) {                                   \
-    quarters_##SUF v = quarters_##SUF##_of(r0, r1);                                                         \
+/* relu(x * scale + shift) pooled over LANES windows given by their quarters: the outputs, their codes and   \
+ * (taken != 0) the input x each output was taken from (BatchNorm's backward sums need it) */                \
+static inline void pool_windows_##SUF(quarters_##SUF v, vec_##SUF scale, vec_##SUF shift, T *out,           \
+                                      uint8_t *code, T *taken) {                                            \
     vec_##SUF a = relu_##SUF(v.q[0] * scale + shift), b = relu_##SUF(v.q[1] * scale + shift);              \
     vec_##SUF c = relu_##SUF(v.q[2] * scale + shift), d = relu_##SUF(v.q[3] * scale + shift);              \
     mask_##SUF top_right = later_##SUF(b, a), bottom_right = later_##SUF(d, c);                             \
@@ -82,6 +81,10 @@ static inline void forward_block_##SUF(const T *r0, const T *r1, vec_##SUF scale
         vec_##SUF x_top = pick_##SUF(top_right, v.q[1], v.q[0]), x_bottom = pick_##SUF(bottom_right, v.q[3], v.q[2]); \
         store_##SUF(taken, pick_##SUF(lower, x_bottom, x_top));                                             \
     }                                                                                                       \
+}                                                                                                           \
+static inline void forward_block_##SUF(const T *r0, const T *r1, vec_##SUF scale, vec_##SUF shift,         \
+                                       T *out, uint8_t *code, T *taken) {                                   \
+    pool_windows_##SUF(quarters_##SUF##_of(r0, r1), scale, shift, out, code, taken);                        \
 }                                                                                                           \
                                                                                                             \
 /* the pooled gradient g of LANES windows as the gradient of their four quarters (zero where not taken) */   \
@@ -171,23 +174,16 @@ void relu_pool_backward_##SUF(const T *g, const uint8_t *code, T *dz, int64_t n,
  * positions are four contiguous channel vectors, so no shuffles; scanned in the same order, with the same rule */ \
 void relu_pool_nhwc_##SUF(const T *z, T *out, uint8_t *code, int64_t n, int64_t c, int64_t h, int64_t w) {  \
     int64_t oh = h / 2, ow = w / 2;                                                                         \
+    vec_##SUF one = 1 - (vec_##SUF){0}, zero = {0};                                                         \
     for (int64_t b = 0; b < n; b++)                                                                         \
         for (int64_t i = 0; i < oh; i++)                                                                    \
             for (int64_t j = 0; j < ow; j++) {                                                              \
                 const T *p0 = z + ((b * h + 2 * i) * w + 2 * j) * c, *p1 = p0 + w * c;                      \
                 T *o = out + ((b * oh + i) * ow + j) * c; uint8_t *cd = code + ((b * oh + i) * ow + j) * c; \
                 for (int64_t k = 0; k < c; k += LANES) {                                                    \
-                    vec_##SUF a = relu_##SUF(load_##SUF(p0 + k)), bb = relu_##SUF(load_##SUF(p0 + c + k));  \
-                    vec_##SUF cc = relu_##SUF(load_##SUF(p1 + k)), d = relu_##SUF(load_##SUF(p1 + c + k));  \
-                    mask_##SUF top_right = later_##SUF(bb, a), bottom_right = later_##SUF(d, cc);           \
-                    vec_##SUF top = pick_##SUF(top_right, bb, a), bottom = pick_##SUF(bottom_right, d, cc); \
-                    mask_##SUF lower = later_##SUF(bottom, top);                                            \
-                    vec_##SUF best = pick_##SUF(lower, bottom, top);                                        \
-                    mask_##SUF at = (lower & (2 - bottom_right)) | (~lower & -top_right);                   \
-                    mask_##SUF dead = best <= 0;                                                            \
-                    at = (at & ~dead) | (dead & NO_GRAD);                                                   \
-                    code_##SUF c8 = __builtin_convertvector(at, code_##SUF);                                \
-                    store_##SUF(o + k, best); memcpy(cd + k, &c8, LANES);                                   \
+                    quarters_##SUF v = {{load_##SUF(p0 + k), load_##SUF(p0 + c + k),                       \
+                                         load_##SUF(p1 + k), load_##SUF(p1 + c + k)}};                      \
+                    pool_windows_##SUF(v, one, zero, o + k, cd + k, 0);                                     \
                 }                                                                                           \
             }                                                                                               \
 }                                                                                                           \
