@@ -11,9 +11,10 @@ Candidates:
   bare            nn.Module + torch.optim.SGD, one client after another, PyTorch's threads (the reference; the model's
                   forward in plain PyTorch: bench_local_training.PlainCNN)
   bare-1thread    the same on one intra-op thread
-  engine          pfedkit's Cohort as it runs by default: clients side by side, one per thread (local.workers=0),
-                  the models' C kernels in use (models/native.py: ReLU + pooling, BatchNorm fused with them, the first
-                  convolution of BatchNorm models)
+  engine          pfedkit's Cohort as it runs by default: clients side by side, one per core, in forked processes
+                  (local.workers=0, local.workers_in=processes: pfedkit/processes.py), the models' C kernels in use
+                  (models/native.py: ReLU + pooling, BatchNorm fused with them, the first convolution)
+  engine-threads  the same with the clients in threads of this process (local.workers_in=threads: one GIL)
   engine-pytorch  the same on PyTorch's own kernels only (what the engine did before the C kernels)
   engine-1by1     the Cohort one client after another (local.workers=1, a Flower ClientApp's way); both rows hold a
                   BN-free model's conv weights channels_last (models/layers.py), a BN model's in the standard
@@ -215,9 +216,9 @@ def grouped(net, work, lr):
                 p.grad = None
 
 
-def engine(cfg, data, workers, lockstep=None):
+def engine(cfg, data, workers, lockstep=None, workers_in="processes"):
     model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
-    hp = dataclasses.replace(cfg.local, workers=workers)
+    hp = dataclasses.replace(cfg.local, workers=workers, workers_in=workers_in)
     cids = list(range(data.num_clients))
     starts = model.state().repeat(len(cids), 1)
     return lambda: Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids],
@@ -248,6 +249,7 @@ def main() -> None:
             "bare": (None, plain),
             "bare-1thread": (lambda: threads(1), plain),
             "engine": (None, engine(cfg, data, 0)),
+            "engine-threads": (None, engine(cfg, data, 0, workers_in="threads")),
             "engine-1by1": (None, engine(cfg, data, 1)),
             "engine-lockstep": (None, engine(cfg, data, 0, lockstep=True)),
             "channels_last": (None, lambda: bare(net, work, lr, memory_format=torch.channels_last)),

@@ -90,6 +90,9 @@ class LocalConfig:
     # clients trained side by side, each in a thread of one core (the per-client path: convolutional and BatchNorm
     # models): 0 = auto (as many as PyTorch's CPU threads on a CPU, else 1), 1 = one client after another
     workers: int = at_least(0, 0)
+    # where the side-by-side clients of plain local training run (Cohort.train, every algorithm but pFedMe's and
+    # Per-FedAvg's solvers): forked processes on Linux CPUs (no shared GIL: pfedkit/processes.py), or threads
+    workers_in: str = choices("processes", "threads", default="processes")
 
 
 @dataclass

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import processes
 from .config import LocalConfig
 from .data import ClientData, FederatedData
 from .errors import DataError
@@ -402,17 +403,36 @@ class Cohort:
         if self.batchable and self.lockstep_pays(hp):
             idx, mask = self.plan(hp)
             return batched_sgd(self.loss, starts, self.data.x_train, self.data.y_train, idx, mask, hp, objective)
-        trained, losses = torch.empty_like(starts), torch.empty(len(starts), dtype=torch.float64)
+        forked = self.forked()
+        new = processes.shared_empty if forked else torch.empty  # forked children write into shared memory
+        count = len(starts)
+        trained, losses = new(starts.shape, dtype=starts.dtype), new((count,), dtype=torch.float64)
+        # a child advances its copies of the generators: their states come back (FedRep trains twice on them)
+        gen_states = new((count, self.gens[0].get_state().numel()), dtype=torch.uint8) if forked else None
 
         def one(model: FlatModel, i: int) -> None:
             model.load(starts[i])
             losses[i] = sgd(model, self.client(i), hp, self.gens[i], objective.row(i))
             trained[i] = model.vector
-        self.each_client(one)
+            if gen_states is not None:
+                gen_states[i] = self.gens[i].get_state()
+        if forked:
+            models = replicas(self.model, self.workers())
+            processes.in_processes(len(models), count, lambda worker, i: one(models[worker], i))
+            for gen, state in zip(self.gens, gen_states):
+                gen.set_state(state.clone())
+        else:
+            self.each_client(one)
         return trained, losses
 
     def workers(self) -> int:
         return worker_count(self.model, self.hp, len(self.cids))
+
+    def forked(self) -> bool:
+        """Whether `train` runs its side-by-side clients in forked processes (`local.workers_in`): on a Linux
+        CPU, two or more at once. Each client runs on one thread either way, so the results are the same."""
+        return (self.hp.workers_in == "processes" and self.workers() > 1 and self.model.device.type == "cpu"
+                and processes.available())
 
     def each_client(self, fn: Callable[[FlatModel, int], None]) -> None:
         """fn(model, i) for every client i of the cohort, `workers()` of them side by side."""

@@ -1,0 +1,139 @@
+"""Tasks side by side in forked worker processes, their results in shared memory.
+
+Why processes: clients trained side by side in threads share one GIL, and a small CNN's step holds it for 15-25 %
+of its time (the Python of the forward, autograd's custom functions, argument parsing). On 2 cores two threads
+then ran 1.4-1.7x one thread, while two processes ran 2.0x (measured: LeNet-5 / the pFedHN CNN, one client each,
+batch 32; benchmarks/bench_cnn_clients.py). Forked children inherit the model, the data and the task as they are
+in memory, so nothing is pickled; they write their results into tensors the parent mapped shared before the
+fork, and take task indices from a pipe, one at a time, so a long task does not hold the others back.
+
+Only on Linux (fork is the platform's own way to start a process there; macOS's system libraries are not
+fork-safe) and for CPU work: a child runs PyTorch on one thread and never touches an accelerator.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import signal
+import sys
+import traceback
+import warnings
+from typing import Callable
+
+import torch
+
+_INDEX_BYTES = 4
+_PIPE_CHUNK = 1024  # indices per write: 4096 bytes <= PIPE_BUF, so a reader never sees part of an index
+
+
+def available() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+def shared_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor in anonymous shared memory: a forked child's writes to it reach the parent."""
+    count = 1
+    for size in shape:
+        count *= size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(count * itemsize, 1))  # MAP_SHARED | MAP_ANONYMOUS; the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(tuple(shape))
+
+
+def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> None:
+    """task(worker, i) for every i in range(count), in `workers` forked processes (worker = 0 .. workers - 1),
+    each on one intra-op thread. A task returns nothing: it writes its results into `shared_empty` tensors. A
+    failed task's exception is raised here once the children have stopped (the one that failed takes no more
+    tasks, the others finish the queue); no child outlives the call, also when the parent is interrupted."""
+    if count == 0:
+        return
+    workers = max(1, min(workers, count))
+    queue_read, queue_write = os.pipe()
+    error_read, error_write = os.pipe()
+    children: list[int] = []
+    try:
+        for worker in range(workers):
+            with warnings.catch_warnings():  # Python >= 3.12 warns of forking a threaded process; see module doc
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                _child(worker, task, queue_read, queue_write, error_read, error_write)
+            children.append(pid)
+        os.close(queue_read)
+        os.close(error_write)
+        queue_read = error_write = -1
+        indices = b"".join(i.to_bytes(_INDEX_BYTES, "little") for i in range(count))
+        step = _PIPE_CHUNK * _INDEX_BYTES
+        try:
+            for start in range(0, len(indices), step):
+                os.write(queue_write, indices[start: start + step])
+        except BrokenPipeError:  # every child stopped early (an error): reported below
+            pass
+        os.close(queue_write)
+        queue_write = -1
+        statuses = [os.waitpid(pid, 0)[1] for pid in children]
+        children.clear()
+        report = _read_all(error_read)
+        if report or any(statuses):
+            raise _unpack(report)
+    finally:
+        for pid in children:  # interrupted or failed: no child outlives the call
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        for fd in (queue_read, queue_write, error_read, error_write):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _child(worker: int, task: Callable[[int, int], None], queue_read: int, queue_write: int, error_read: int,
+           error_write: int) -> None:
+    status = 1
+    try:
+        os.close(queue_write)
+        os.close(error_read)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent reports an interrupt; the child just stops
+        torch.set_num_threads(1)
+        while index := os.read(queue_read, _INDEX_BYTES):
+            task(worker, int.from_bytes(index, "little"))
+        status = 0
+    except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
+        try:
+            os.write(error_write, _pack(exc))
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        os._exit(status)  # no atexit handlers, no flushing of the parent's buffers
+
+
+def _pack(exc: BaseException) -> bytes:
+    """The exception for the parent, in one write of at most PIPE_BUF bytes (atomic beside another child's)."""
+    text = "".join(traceback.format_exception(exc))
+    try:  # a forked copy of this program, so its pickle is no foreign input; too big or unpicklable: the text
+        blob = pickle.dumps(exc)
+        if len(blob) + 1 <= 4096:
+            return b"P" + blob
+    except Exception:  # noqa: BLE001
+        pass
+    return b"T" + text[-4000:].encode("utf-8", "replace")
+
+
+def _unpack(report: bytes) -> BaseException:
+    first = report[:1]
+    if first == b"P":
+        try:
+            return pickle.loads(report[1:4097])
+        except Exception:  # noqa: BLE001
+            pass
+    text = report[1:].decode("utf-8", "replace") if first in (b"P", b"T") else ""
+    return RuntimeError(f"a worker process failed{': ' + text.strip().splitlines()[-1] if text.strip() else ''}")
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,109 @@
+"""Side-by-side clients in forked worker processes (pfedkit/processes.py, `local.workers_in=processes`): the same
+results as in threads, generator states carried back, every task run once, a child's error raised in the parent
+and no child left behind."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from pfedkit import processes
+from pfedkit.config import load_config
+from pfedkit.errors import DataError
+from pfedkit.experiment import prepare
+from pfedkit.models import FlatModel, build_model
+from pfedkit.train import Cohort, Objective, seeded_generator
+
+pytestmark = pytest.mark.skipif(not processes.available(), reason="forked workers: Linux only")
+
+
+def no_children_left() -> bool:
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def setup(model_name: str, clients: int = 5):
+    cfg = load_config(None, ["dataset.name=mnist5k", f"model.name={model_name}", f"partition.num_clients={clients}",
+                             "partition.samples_per_client=50", "local.batch_size=16", "local.momentum=0.5",
+                             "progress=false", "plots=false"], "fedavg")
+    data = prepare(cfg)
+    return cfg, data, FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, 0))
+
+
+def cohort(cfg, data, model, workers_in: str, workers: int = 2) -> Cohort:
+    hp = dataclasses.replace(cfg.local, workers=workers, workers_in=workers_in)
+    cids = list(range(data.num_clients))
+    return Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids])
+
+
+@pytest.mark.parametrize("model_name", ["cnn", "cnn_bn"])
+def test_processes_train_exactly_as_threads_and_hand_back_the_generators(model_name):
+    cfg, data, model = setup(model_name)
+    starts = torch.stack([model.state() + 0.01 * c for c in range(data.num_clients)])
+    runs = {}
+    for kind in ("threads", "processes"):
+        c = cohort(cfg, data, model, kind)
+        assert c.forked() == (kind == "processes")
+        first = c.train(starts)
+        second = c.train(first[0])  # continues each client's batch stream (FedRep's two phases do)
+        runs[kind] = (first, second, [int(torch.randint(1 << 30, (1,), generator=g)) for g in c.gens])
+    (t1, t2, t_next), (p1, p2, p_next) = runs["threads"], runs["processes"]
+    for a, b in ((t1, p1), (t2, p2)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert t_next == p_next  # the generators ended in the same states
+    assert not torch.equal(t1[0], t2[0])  # the second call trained on
+
+
+def test_processes_run_every_index_once_beyond_the_pipe_capacity():
+    count = 20_000  # 80 kB of indices: more than a pipe holds, so the parent writes while the children read
+    seen = processes.shared_empty((count,), torch.int64)
+    seen.zero_()
+    worker_of = processes.shared_empty((count,), torch.int64)
+
+    def task(worker: int, i: int) -> None:
+        seen[i] += 1
+        worker_of[i] = worker
+    processes.in_processes(2, count, task)
+    assert torch.equal(seen, torch.ones(count, dtype=torch.int64))
+    assert set(worker_of.tolist()) <= {0, 1}
+    assert no_children_left()
+
+
+def test_a_childs_exception_is_raised_in_the_parent_with_its_type_and_message():
+    def task(worker: int, i: int) -> None:
+        if i == 7:
+            raise DataError(f"client {i} is broken")
+    with pytest.raises(DataError, match="client 7 is broken"):
+        processes.in_processes(2, 20, task)
+    assert no_children_left()
+
+
+def test_a_child_that_dies_is_reported():
+    def task(worker: int, i: int) -> None:
+        if i == 3:
+            os._exit(9)  # e.g. killed by the OOM killer: no exception to send
+    with pytest.raises(RuntimeError, match="a worker process failed"):
+        processes.in_processes(2, 10, task)
+    assert no_children_left()
+
+
+def test_a_training_error_in_a_child_reaches_the_caller():
+    cfg, data, model = setup("cnn", clients=3)
+    starts = model.state().repeat(data.num_clients, 1)
+    bad = Objective(trainable=torch.ones(data.num_clients, model.param_size + 1))  # one entry too many
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        cohort(cfg, data, model, "processes").train(starts, bad)
+    assert no_children_left()
+
+
+def test_one_worker_and_the_threads_setting_stay_in_this_process():
+    cfg, data, model = setup("cnn", clients=3)
+    assert not cohort(cfg, data, model, "processes", workers=1).forked()
+    assert not cohort(cfg, data, model, "threads", workers=2).forked()
+    with pytest.raises(Exception, match="workers_in"):
+        load_config(None, ["local.workers_in=forks"], "fedavg")
