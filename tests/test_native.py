@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pfedkit.config import ModelConfig
-from pfedkit.models import build_model, native
+from pfedkit.models import FlatModel, build_model, native
 from pfedkit.models.nets import relu_pool
 
 
@@ -168,6 +168,84 @@ def test_first_conv_equals_pytorch(shape, dtype):
     assert not native.covers_first_conv(x, torch.nn.Conv2d(1, outs, 5, padding=1).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(32, 16, 28, 28), (3, 8, 28, 28), (2, 24, 12, 14), (2, 8, 8, 14)])
+def test_first_conv_relu_pool_equals_pytorch(shape, dtype):
+    """The BN-free CNN's first block in one kernel, F.max_pool2d(relu(conv(x)), 2) in channels_last: values and
+    the weight and bias gradients against PyTorch's float64 ops (one to three channel vectors; an odd number of
+    windows a row, 5, leaves a window without its pair). In float32 each result is at least as near float64 as
+    PyTorch's own float32 block (smooth random inputs: a near-tie at float32 precision would route the gradient
+    elsewhere in either; the inputs are fixed, so this test is deterministic)."""
+    n, outs, h, w = shape
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.nn.Conv2d(1, outs, 5).to(dtype)
+    exact, torch32 = copy.deepcopy(conv).double(), copy.deepcopy(conv)
+    x = torch.randn((n, 1, h, w), generator=gen, dtype=dtype)
+    assert native.covers_first_conv_pool(x, conv)
+    got, want = native.first_conv_relu_pool(x, conv), plain_relu_pool(exact(x.double()))
+    assert got.is_contiguous(memory_format=torch.channels_last) and got.shape == want.shape
+    grad = torch.randn(want.shape, dtype=torch.float64, generator=gen)
+    got.backward(grad.to(dtype))
+    want.backward(grad)
+    results = {"output": (got, want)} | {name: (getattr(conv, name).grad, getattr(exact, name).grad)
+                                         for name in ("weight", "bias")}
+    if dtype == torch.float32:
+        theirs = plain_relu_pool(torch32(x))
+        theirs.backward(grad.float())
+        baseline = {"output": theirs, "weight": torch32.weight.grad, "bias": torch32.bias.grad}
+    for name, (mine, reference) in results.items():
+        error = float((mine.detach().double() - reference.detach()).abs().max())
+        if dtype == torch.float64:
+            assert error <= 1e-12 * max(1.0, float(reference.detach().abs().max())), name
+        else:
+            pytorch_error = float((baseline[name].detach().double() - reference.detach()).abs().max())
+            assert error <= max(pytorch_error, 1e-6 * float(reference.detach().abs().max())), (name, error)
+
+
+def test_first_conv_relu_pool_takes_the_first_of_tied_windows_and_covers_only_its_shapes():
+    """A constant image gives four equal conv outputs in every window: the gradient goes to each window's top
+    left position, as max_pool2d sends it, so the weight gradient is the hand sum over the windows' top-left
+    patches; a negative bias kills every window (no gradient at all)."""
+    x = torch.full((1, 1, 12, 12), 0.5, dtype=torch.float64)
+    for bias in (1.0, -100.0):
+        conv = torch.nn.Conv2d(1, 8, 5).double()
+        with torch.no_grad():
+            conv.weight.fill_(0.25)
+            conv.bias.fill_(bias)
+        out = native.first_conv_relu_pool(x, conv)
+        out.backward(torch.ones_like(out))
+        if bias < 0:
+            assert torch.all(out == 0) and torch.all(conv.weight.grad == 0) and torch.all(conv.bias.grad == 0)
+            continue
+        # the four positions of every window hold 25 * 0.5 * 0.25 + 1; each window sends its gradient 1 to its
+        # top-left position, whose 5x5 patch is all 0.5: dW = 16 windows * 0.5, db = 16
+        assert torch.all(out == 25 * 0.5 * 0.25 + 1)
+        assert torch.all(conv.weight.grad == 16 * 0.5) and torch.all(conv.bias.grad == 16)
+    conv = torch.nn.Conv2d(1, 8, 5)
+    assert native.covers_first_conv_pool(torch.randn(2, 1, 12, 12), conv)
+    assert not native.covers_first_conv_pool(torch.randn(2, 1, 13, 12), conv)  # 9 conv rows: odd
+    assert not native.covers_first_conv_pool(torch.randn(2, 1, 12, 12), torch.nn.Conv2d(1, 12, 5))  # 12 channels
+
+
+def test_the_first_block_writes_nothing_outside_its_tensors():
+    n, outs, h, w = 3, 8, 12, 14
+    pooled = n * outs * ((h - 4) // 2) * ((w - 4) // 2)
+    sentinel = 1234.5
+
+    def within(size, dtype=torch.float32):
+        buffer = torch.full((size + 64,), sentinel if dtype.is_floating_point else 77, dtype=dtype)
+        return buffer, buffer[:size]
+    (out_buf, out), (code_buf, code), (g_buf, g) = within(pooled), within(pooled, torch.uint8), within(pooled)
+    (dw_buf, dw), (db_buf, db) = within(outs * 25), within(outs)
+    x, weight, bias = torch.randn(n, 1, h, w), torch.randn(outs, 1, 5, 5), torch.randn(outs)
+    g.copy_(torch.randn(pooled))
+    native._call("conv1_relu_pool_nhwc", torch.float32, x, weight, bias, out, code, n, h, w, outs)
+    native._call("conv1_relu_pool_nhwc_backward", torch.float32, x, g, code, dw, db, n, h, w, outs)
+    for buf, size in ((out_buf, pooled), (g_buf, pooled), (dw_buf, outs * 25), (db_buf, outs)):
+        assert torch.all(buf[size:] == sentinel)
+    assert torch.all(code_buf[pooled:] == 77)
+
+
 def test_gradient_goes_to_the_first_maximum_of_a_window():
     """Hand-made windows (row-major in the window): the gradient lands where max_pool2d puts it."""
     x = torch.tensor([[[[1.0, 2.0, 0.0, -1.0, 3.0, 3.0, -2.0, -2.0],
@@ -215,6 +293,28 @@ def test_a_cnn_trains_through_the_kernels_as_with_pytorch_pooling(name):
     x = torch.rand(10, 16, 1, 28, 28, dtype=torch.float64)
     x[:, :, :, :6] = 0  # MNIST-like empty rows: constant windows after the first convolution
     y = torch.randint(0, 10, (10, 16))
+    for model in (net, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        for t in range(10):
+            opt.zero_grad()
+            F.cross_entropy(model(x[t]), y[t]).backward()
+            opt.step()
+    got, want = net.state_dict(), ref.cnn.state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
+
+
+def test_a_bn_free_cnn_trains_through_its_fused_first_block_as_with_pytorch():
+    """Ten SGD steps of the BN-free CNN as pfedkit holds it (a FlatModel: conv weights channels_last, so the first
+    block runs as one kernel) in float64, against the same CNN with PyTorch's ops: equal parameters."""
+    torch.manual_seed(0)
+    net = FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0).double()).module
+    ref = Plain(copy.deepcopy(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0).double()))
+    x = torch.rand(10, 16, 1, 28, 28, dtype=torch.float64)
+    x[:, :, :, :6] = 0
+    y = torch.randint(0, 10, (10, 16))
+    assert native.covers_first_conv_pool(x[0], net.conv1)
+    assert net.conv2.weight.is_contiguous(memory_format=torch.channels_last)
     for model in (net, ref):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         for t in range(10):

@@ -1,6 +1,7 @@
 """Fused CPU kernels in C (kernels.c), compiled once per machine with the host's C compiler and called through
-ctypes: ReLU + 2x2 max pooling, training-mode BatchNorm + ReLU + pooling, and the 5x5 convolution of one-channel
-images, the hot spots of a small CNN's training step on a CPU.
+ctypes: ReLU + 2x2 max pooling, training-mode BatchNorm + ReLU + pooling, the 5x5 convolution of one-channel
+images, and that convolution fused with ReLU + pooling in channels_last (the BN-free CNN's first block), the hot
+spots of a small CNN's training step on a CPU.
 
 The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, under
 a torch.func transform (grad, vmap: the kernels are autograd Functions of raw pointers), or with PFEDKIT_NATIVE=0
@@ -47,6 +48,8 @@ SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "bn_relu_pool_backward": [_P] * 10 + [_I] * 4,
     "conv1": [_P] * 4 + [_I] * 4,
     "conv1_weight_grad": [_P] * 4 + [_I] * 4,
+    "conv1_relu_pool_nhwc": [_P] * 5 + [_I] * 4,
+    "conv1_relu_pool_nhwc_backward": [_P] * 5 + [_I] * 4,
 }
 LANES = {torch.float32: 8, torch.float64: 4}  # the kernels' vector width (kernels.c: 32 bytes)
 
@@ -232,6 +235,43 @@ def covers_first_conv(x: torch.Tensor, conv: torch.nn.Module) -> bool:
 def first_conv(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
     """conv(x) for one-channel images (`covers_first_conv`), with the weight and bias gradients."""
     return _FirstConv.apply(x, conv.weight, conv.bias)
+
+
+class _FirstConvReluPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        n, _, h, w = x.shape
+        outs = weight.shape[0]
+        out = torch.empty(n, outs, (h - 4) // 2, (w - 4) // 2, dtype=x.dtype, memory_format=torch.channels_last)
+        code = torch.empty_like(out, dtype=torch.uint8)
+        _call("conv1_relu_pool_nhwc", x.dtype, x, weight, bias, out, code, n, h, w, outs)
+        ctx.save_for_backward(x, code)
+        ctx.weight_shape = weight.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, code = ctx.saved_tensors
+        grad = grad.contiguous(memory_format=torch.channels_last)
+        n, _, h, w = x.shape
+        grad_weight = grad.new_empty(ctx.weight_shape)
+        grad_bias = grad.new_empty(ctx.weight_shape[0])
+        _call("conv1_relu_pool_nhwc_backward", x.dtype, x, grad, code, grad_weight, grad_bias, n, h, w,
+              ctx.weight_shape[0])
+        return None, grad_weight, grad_bias
+
+
+def covers_first_conv_pool(x: torch.Tensor, conv: torch.nn.Module) -> bool:
+    """Whether `first_conv_relu_pool` takes x and conv: as `covers_first_conv`, with even output sides and a
+    multiple of the vector width of output channels."""
+    return (covers_first_conv(x, conv) and (x.shape[2] - 4) % 2 == 0 and (x.shape[3] - 4) % 2 == 0
+            and conv.out_channels % LANES[x.dtype] == 0)
+
+
+def first_conv_relu_pool(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
+    """F.max_pool2d(torch.relu(conv(x)), 2) as a channels_last tensor, for one-channel images
+    (`covers_first_conv_pool`), in one kernel: the convolution's outputs are pooled in registers."""
+    return _FirstConvReluPool.apply(x, conv.weight, conv.bias)
 
 
 def covers_batch_norm(x: torch.Tensor, bn: torch.nn.Module) -> bool:

@@ -41,14 +41,22 @@ class CNN(nn.Module):
         self.fc3 = nn.Linear(84, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the C kernel's output is in the standard layout: not for a model whose activations are channels_last
-        # (BN-free models in a FlatModel: measured 10 % slower a step, the layouts mixed)
-        fused = native.covers_first_conv(x, self.conv1) and self.conv2.weight.is_contiguous()
-        x = bn_relu_pool(self.bn1, native.first_conv(x, self.conv1) if fused else self.conv1(x))
+        x = self.first_block(x)
         x = bn_relu_pool(self.bn2, self.conv2(x))
         x = torch.relu(self.fc1(x.flatten(1)))
         x = torch.relu(self.fc2(x))
         return self.fc3(x)
+
+    def first_block(self, x: torch.Tensor) -> torch.Tensor:
+        """relu_pool(bn1(conv1(x))) in the layout conv2 runs in: a BN-free model whose conv2 weight is
+        channels_last (in a FlatModel) gets the first conv, ReLU and pooling as one C kernel with a channels_last
+        output; a BN model the conv kernel in the standard layout (its output in channels_last cost 10 % a step:
+        the layouts mixed), then BatchNorm fused with the pooling; PyTorch's ops where the kernels do not cover."""
+        if isinstance(self.bn1, nn.Identity) and self.conv2.weight.is_contiguous(memory_format=torch.channels_last) \
+                and native.covers_first_conv_pool(x, self.conv1):
+            return native.first_conv_relu_pool(x, self.conv1)
+        fused = native.covers_first_conv(x, self.conv1) and self.conv2.weight.is_contiguous()
+        return bn_relu_pool(self.bn1, native.first_conv(x, self.conv1) if fused else self.conv1(x))
 
     def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor,
                      running: bool = True) -> torch.Tensor:
