@@ -5,14 +5,17 @@ of its time (the Python of the forward, autograd's custom functions, argument pa
 then ran 1.4-1.7x one thread, while two processes ran 2.0x (measured: LeNet-5 / the pFedHN CNN, one client each,
 batch 32; benchmarks/bench_cnn_clients.py). Forked children inherit the model, the data and the task as they are
 in memory, so nothing is pickled; they write their results into tensors the parent mapped shared before the
-fork, and take task indices from a pipe, one at a time, so a long task does not hold the others back.
+fork. The parent works too, as one of the workers: one fork fewer, and its share of the work runs without copies
+on write.
 
 Only on Linux (fork is the platform's own way to start a process there; macOS's system libraries are not
 fork-safe) and for CPU work: a child runs PyTorch on one thread and never touches an accelerator.
 """
 from __future__ import annotations
 
+import gc
 import mmap
+import multiprocessing
 import os
 import pickle
 import signal
@@ -23,8 +26,6 @@ from typing import Callable
 
 import torch
 
-_INDEX_BYTES = 4
-_PIPE_CHUNK = 1024  # indices per write: 4096 bytes <= PIPE_BUF, so a reader never sees part of an index
 
 
 def available() -> bool:
@@ -42,63 +43,78 @@ def shared_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
 
 
 def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> None:
-    """task(worker, i) for every i in range(count), in `workers` forked processes (worker = 0 .. workers - 1),
-    each on one intra-op thread. A task returns nothing: it writes its results into `shared_empty` tensors. A
-    failed task's exception is raised here once the children have stopped (the one that failed takes no more
-    tasks, the others finish the queue); no child outlives the call, also when the parent is interrupted."""
+    """task(worker, i) for every i in range(count), `workers` at a time: worker 0 is this process, workers 1 ..
+    workers - 1 forked children, each on one intra-op thread. A task returns nothing: it writes its results into
+    `shared_empty` tensors. The next task goes to whichever worker is free (a shared counter under a lock), so one
+    long task does not hold the others back. A failed task's exception is raised here once every worker has
+    stopped (a failure stops the hand-out of tasks); no child outlives the call, also when this process is
+    interrupted."""
     if count == 0:
         return
     workers = max(1, min(workers, count))
-    queue_read, queue_write = os.pipe()
+    handed_out = shared_empty((1,), torch.int64)  # the next task's index; >= count: no more
+    handed_out.zero_()
+    lock = multiprocessing.get_context("fork").Lock()
+
+    def work(worker: int) -> None:
+        while True:
+            with lock:
+                i = int(handed_out[0])
+                handed_out[0] = i + 1
+            if i >= count:
+                return
+            try:
+                task(worker, i)
+            except BaseException:
+                handed_out[0] = count  # the others stop after their current task
+                raise
+
     error_read, error_write = os.pipe()
     children: list[int] = []
+    threads = torch.get_num_threads()
     try:
-        for worker in range(workers):
+        gc.freeze()  # the children's collections then leave the inherited objects' pages unwritten (copy on write)
+        for worker in range(1, workers):
             with warnings.catch_warnings():  # Python >= 3.12 warns of forking a threaded process; see module doc
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
             if pid == 0:
-                _child(worker, task, queue_read, queue_write, error_read, error_write)
+                _child(worker, work, error_read, error_write)
             children.append(pid)
-        os.close(queue_read)
+        gc.unfreeze()
         os.close(error_write)
-        queue_read = error_write = -1
-        indices = b"".join(i.to_bytes(_INDEX_BYTES, "little") for i in range(count))
-        step = _PIPE_CHUNK * _INDEX_BYTES
+        error_write = -1
+        torch.set_num_threads(1)
         try:
-            for start in range(0, len(indices), step):
-                os.write(queue_write, indices[start: start + step])
-        except BrokenPipeError:  # every child stopped early (an error): reported below
-            pass
-        os.close(queue_write)
-        queue_write = -1
-        statuses = [os.waitpid(pid, 0)[1] for pid in children]
-        children.clear()
+            work(0)
+        finally:
+            torch.set_num_threads(threads)
+            statuses = [os.waitpid(pid, 0)[1] for pid in children]
+            children.clear()
         report = _read_all(error_read)
         if report or any(statuses):
             raise _unpack(report)
     finally:
-        for pid in children:  # interrupted or failed: no child outlives the call
+        gc.unfreeze()
+        for pid in children:  # interrupted while forking or waiting: no child outlives the call
             try:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
             except (ProcessLookupError, ChildProcessError):
                 pass
-        for fd in (queue_read, queue_write, error_read, error_write):
+        for fd in (error_read, error_write):
             if fd >= 0:
                 os.close(fd)
 
 
-def _child(worker: int, task: Callable[[int, int], None], queue_read: int, queue_write: int, error_read: int,
-           error_write: int) -> None:
+def _child(worker: int, work: Callable[[int], None], error_read: int, error_write: int) -> None:
     status = 1
     try:
-        os.close(queue_write)
         os.close(error_read)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent reports an interrupt; the child just stops
+        gc.unfreeze()
         torch.set_num_threads(1)
-        while index := os.read(queue_read, _INDEX_BYTES):
-            task(worker, int.from_bytes(index, "little"))
+        work(worker)
         status = 0
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         try:

@@ -1,10 +1,11 @@
 """Side-by-side clients in forked worker processes (pfedkit/processes.py, `local.workers_in=processes`): the same
-results as in threads, generator states carried back, every task run once, a child's error raised in the parent
-and no child left behind."""
+results as in threads, generator states carried back, every task run once, an error raised in the caller and no
+child left behind."""
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -59,8 +60,8 @@ def test_processes_train_exactly_as_threads_and_hand_back_the_generators(model_n
     assert not torch.equal(t1[0], t2[0])  # the second call trained on
 
 
-def test_processes_run_every_index_once_beyond_the_pipe_capacity():
-    count = 20_000  # 80 kB of indices: more than a pipe holds, so the parent writes while the children read
+def test_processes_run_every_task_once_and_share_them_out():
+    count = 3000
     seen = processes.shared_empty((count,), torch.int64)
     seen.zero_()
     worker_of = processes.shared_empty((count,), torch.int64)
@@ -68,25 +69,34 @@ def test_processes_run_every_index_once_beyond_the_pipe_capacity():
     def task(worker: int, i: int) -> None:
         seen[i] += 1
         worker_of[i] = worker
-    processes.in_processes(2, count, task)
+        time.sleep(0.0002)
+    processes.in_processes(3, count, task)
     assert torch.equal(seen, torch.ones(count, dtype=torch.int64))
-    assert set(worker_of.tolist()) <= {0, 1}
+    assert set(worker_of.tolist()) == {0, 1, 2}  # each worker, this process included, took tasks
     assert no_children_left()
 
 
-def test_a_childs_exception_is_raised_in_the_parent_with_its_type_and_message():
+@pytest.mark.parametrize("failing_worker", [0, 1])  # this process, a forked child
+def test_an_exception_is_raised_here_with_its_type_and_message_and_stops_the_work(failing_worker):
+    started = processes.shared_empty((200,), torch.int64)
+    started.zero_()
+
     def task(worker: int, i: int) -> None:
-        if i == 7:
+        started[i] = 1
+        if worker == failing_worker:
             raise DataError(f"client {i} is broken")
-    with pytest.raises(DataError, match="client 7 is broken"):
-        processes.in_processes(2, 20, task)
+        time.sleep(0.001)
+    with pytest.raises(DataError, match="client [0-9]+ is broken"):
+        processes.in_processes(2, 200, task)
     assert no_children_left()
+    assert int(started.sum()) < 200  # no task was handed out after the failure but the ones under way
 
 
 def test_a_child_that_dies_is_reported():
     def task(worker: int, i: int) -> None:
-        if i == 3:
+        if worker == 1:
             os._exit(9)  # e.g. killed by the OOM killer: no exception to send
+        time.sleep(0.01)
     with pytest.raises(RuntimeError, match="a worker process failed"):
         processes.in_processes(2, 10, task)
     assert no_children_left()
