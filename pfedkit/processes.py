@@ -77,7 +77,10 @@ def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> 
         for worker in range(1, workers):
             with warnings.catch_warnings():  # Python >= 3.12 warns of forking a threaded process; see module doc
                 warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError:  # no process to be had (a process limit, memory): the workers there are do it all
+                    break
             if pid == 0:
                 _child(worker, work, error_read, error_write)
             children.append(pid)

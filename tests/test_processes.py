@@ -117,3 +117,18 @@ def test_one_worker_and_the_threads_setting_stay_in_this_process():
     assert not cohort(cfg, data, model, "threads", workers=2).forked()
     with pytest.raises(Exception, match="workers_in"):
         load_config(None, ["local.workers_in=forks"], "fedavg")
+
+
+def test_when_no_process_can_be_forked_the_work_is_done_here(monkeypatch):
+    """A fork refused (EAGAIN under a process limit, ENOMEM: not to be provoked as root, which CI runs as, so
+    os.fork is made to refuse): every task still runs, here."""
+    def refuse():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(os, "fork", refuse)
+    done = processes.shared_empty((50,), torch.int64)
+    done.zero_()
+
+    def task(worker: int, i: int) -> None:
+        done[i] += 1 + worker
+    processes.in_processes(2, 50, task)
+    assert torch.equal(done, torch.ones(50, dtype=torch.int64))  # all by worker 0
