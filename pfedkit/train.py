@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
@@ -381,10 +382,14 @@ class Cohort:
         (not for epochs over heavy-tailed client sizes, where one big client would keep the others waiting)."""
         if self.force is not None:
             return self.force
+        steps = self.planned_steps(hp)
+        return steps.sum() >= 0.5 * len(steps) * steps.max()
+
+    def planned_steps(self, hp: LocalConfig | list[LocalConfig] | None = None) -> np.ndarray:
+        """Each client's number of SGD steps under hp."""
         hps = hp if isinstance(hp, list) else [hp or self.hp] * len(self.cids)
         sizes = self.data.train_sizes[self.cids]
-        steps = np.array([h.steps if h.steps > 0 else h.epochs * -(-int(n) // h.batch_size) for h, n in zip(hps, sizes)])
-        return steps.sum() >= 0.5 * len(steps) * steps.max()
+        return np.array([h.steps if h.steps > 0 else h.epochs * -(-int(n) // h.batch_size) for h, n in zip(hps, sizes)])
 
     @property
     def loss(self) -> BatchedLoss:
@@ -404,7 +409,9 @@ class Cohort:
         if self.batchable and self.lockstep_pays(hp):
             idx, mask = self.plan(hp)
             return batched_sgd(self.loss, starts, self.data.x_train, self.data.y_train, idx, mask, hp, objective)
-        forked = self.forked()
+        placement = self.placement() if self.may_fork() else None
+        forked = placement is not None and placement.fork()
+        began = time.perf_counter()
         new = processes.shared_empty if forked else torch.empty  # forked children write into shared memory
         count = len(starts)
         trained, losses = new(starts.shape, dtype=starts.dtype), new((count,), dtype=torch.float64)
@@ -424,16 +431,25 @@ class Cohort:
                 gen.set_state(state.clone())
         else:
             self.each_client(one)
+        if placement is not None:
+            placement.record(forked, time.perf_counter() - began, int(self.planned_steps(hp).sum()))
         return trained, losses
 
     def workers(self) -> int:
         return worker_count(self.model, self.hp, len(self.cids))
 
-    def forked(self) -> bool:
-        """Whether `train` runs its side-by-side clients in forked processes (`local.workers_in`): on a Linux
-        CPU, two or more at once. Each client runs on one thread either way, so the results are the same."""
+    def may_fork(self) -> bool:
+        """Whether `train` may run its side-by-side clients in forked processes (`local.workers_in`): on a Linux
+        CPU, two or more at once; it does where that measures faster (`placement`). Each client runs on one thread
+        either way, so the results are the same."""
         return (self.hp.workers_in == "processes" and self.workers() > 1 and self.model.device.type == "cpu"
                 and processes.available())
+
+    def placement(self) -> processes.Placement:
+        """Forked or threads for this model's training calls, by their measured time (one per model: a run's)."""
+        if getattr(self.model, "fork_placement", None) is None:
+            self.model.fork_placement = processes.Placement()
+        return self.model.fork_placement
 
     def each_client(self, fn: Callable[[FlatModel, int], None]) -> None:
         """fn(model, i) for every client i of the cohort, `workers()` of them side by side."""

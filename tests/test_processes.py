@@ -49,7 +49,7 @@ def test_processes_train_exactly_as_threads_and_hand_back_the_generators(model_n
     runs = {}
     for kind in ("threads", "processes"):
         c = cohort(cfg, data, model, kind)
-        assert c.forked() == (kind == "processes")
+        assert c.may_fork() == (kind == "processes")
         first = c.train(starts)
         second = c.train(first[0])  # continues each client's batch stream (FedRep's two phases do)
         runs[kind] = (first, second, [int(torch.randint(1 << 30, (1,), generator=g)) for g in c.gens])
@@ -113,8 +113,8 @@ def test_a_training_error_in_a_child_reaches_the_caller():
 
 def test_one_worker_and_the_threads_setting_stay_in_this_process():
     cfg, data, model = setup("cnn", clients=3)
-    assert not cohort(cfg, data, model, "processes", workers=1).forked()
-    assert not cohort(cfg, data, model, "threads", workers=2).forked()
+    assert not cohort(cfg, data, model, "processes", workers=1).may_fork()
+    assert not cohort(cfg, data, model, "threads", workers=2).may_fork()
     with pytest.raises(Exception, match="workers_in"):
         load_config(None, ["local.workers_in=forks"], "fedavg")
 
@@ -132,3 +132,31 @@ def test_when_no_process_can_be_forked_the_work_is_done_here(monkeypatch):
         done[i] += 1 + worker
     processes.in_processes(2, 50, task)
     assert torch.equal(done, torch.ones(50, dtype=torch.int64))  # all by worker 0
+
+
+def test_the_placement_forks_only_while_forking_measures_faster():
+    """Calls 1 and 2 fork (the first carries the warm-up; the second's time is kept), call 3 runs threads; then
+    the faster per unit of work, the other retried every RETRY-th call, and a retry that measures faster takes
+    over."""
+    p = processes.Placement()
+    picks = []
+
+    def call(seconds_if_forked: float, seconds_in_threads: float, units: int = 10) -> None:
+        forked = p.fork()
+        picks.append(forked)
+        p.record(forked, seconds_if_forked if forked else seconds_in_threads, units)
+    call(9.0, 1.0)  # the warm-up's time is replaced by the next call's
+    call(3.0, 1.0)
+    call(3.0, 1.0)
+    assert picks == [True, True, False] and p.per_unit == {True: 0.3, False: 0.1}
+    for _ in range(processes.Placement.RETRY - 4):  # calls 4 .. RETRY-1 threads, call RETRY retries the fork
+        call(3.0, 1.0)
+    call(0.5, 1.0)  # the fork retried (call RETRY), faster now: it stays
+    assert picks[3:processes.Placement.RETRY - 1] == [False] * (processes.Placement.RETRY - 4)
+    assert picks[processes.Placement.RETRY - 1] is True
+    call(0.5, 1.0)
+    assert picks[-1] is True
+    call(0.5, 1.0, units=1)  # per unit of work: 0.5 s for 1 step is slower than 1.0 s for 10
+    assert p.per_unit[True] == 0.5
+    call(0.5, 1.0)
+    assert picks[-1] is False
