@@ -46,27 +46,29 @@ class Placement:
     """Whether forking pays for a recurring piece of work, measured as it runs. A fork costs time in proportion to
     the process's memory (page tables, then copies on write): ~6 ms at 1 GB resident here, but ~0.15 s a round for
     pFedLA at N = 1,000 with 9.8 GB resident, whose clients then ran 0.96x the bare loop against 0.55x in threads;
-    what it saves grows with the work. So each way's last seconds per unit of work are kept (the forked way's
-    measured twice first: the first call carries the run's warm-up), the faster way is taken, and the other is
-    tried again every RETRY calls: the work or the memory may have changed. Either way gives the same results, so
-    the choice changes only the time."""
+    what it saves grows with the work. So the first calls fork twice (the first carries the run's warm-up), then
+    run threads twice; after that the way with the lower seconds per unit of work (the best of its last SAMPLES
+    calls: one slow call on a noisy machine does not decide) is taken, and the other is tried again every RETRY
+    calls: the work or the memory may have changed. Either way gives the same results, so the choice changes
+    only the time."""
     RETRY = 16
+    SAMPLES = 3
 
     def __init__(self) -> None:
         self.calls = 0
-        self.per_unit: dict[bool, float] = {}  # forked or not: seconds per unit of work, last measured
+        self.seconds: dict[bool, list[float]] = {True: [], False: []}  # forked or not: s per unit, latest last
 
     def fork(self) -> bool:
         self.calls += 1
-        if self.calls <= 2:  # the warm-up, then the forked way measured again
-            return True
-        if False not in self.per_unit:
-            return False
-        best = min(self.per_unit, key=self.per_unit.__getitem__)
+        if self.calls <= 4:
+            return self.calls <= 2
+        best = min(self.seconds, key=lambda way: min(self.seconds[way]))
         return best != (self.calls % self.RETRY == 0)
 
     def record(self, forked: bool, seconds: float, units: int) -> None:
-        self.per_unit[forked] = seconds / max(units, 1)
+        kept = self.seconds[forked]
+        kept.append(seconds / max(units, 1))
+        del kept[:-self.SAMPLES]
 
 
 def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> None:

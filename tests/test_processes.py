@@ -135,9 +135,8 @@ def test_when_no_process_can_be_forked_the_work_is_done_here(monkeypatch):
 
 
 def test_the_placement_forks_only_while_forking_measures_faster():
-    """Calls 1 and 2 fork (the first carries the warm-up; the second's time is kept), call 3 runs threads; then
-    the faster per unit of work, the other retried every RETRY-th call, and a retry that measures faster takes
-    over."""
+    """Calls 1-2 fork, 3-4 run threads; then the way with the best of its last 3 times per unit of work, the other
+    retried every RETRY-th call: a retry that measures faster takes over, one slow call does not."""
     p = processes.Placement()
     picks = []
 
@@ -145,18 +144,21 @@ def test_the_placement_forks_only_while_forking_measures_faster():
         forked = p.fork()
         picks.append(forked)
         p.record(forked, seconds_if_forked if forked else seconds_in_threads, units)
-    call(9.0, 1.0)  # the warm-up's time is replaced by the next call's
+    call(9.0, 1.0)  # the warm-up
     call(3.0, 1.0)
     call(3.0, 1.0)
-    assert picks == [True, True, False] and p.per_unit == {True: 0.3, False: 0.1}
-    for _ in range(processes.Placement.RETRY - 4):  # calls 4 .. RETRY-1 threads, call RETRY retries the fork
+    call(3.0, 1.5)
+    assert picks == [True, True, False, False] and p.seconds == {True: [0.9, 0.3], False: [0.1, 0.15]}
+    retry = processes.Placement.RETRY
+    for _ in range(retry - 5):  # calls 5 .. RETRY - 1: threads, the faster
         call(3.0, 1.0)
-    call(0.5, 1.0)  # the fork retried (call RETRY), faster now: it stays
-    assert picks[3:processes.Placement.RETRY - 1] == [False] * (processes.Placement.RETRY - 4)
-    assert picks[processes.Placement.RETRY - 1] is True
-    call(0.5, 1.0)
+    assert picks[4:] == [False] * (retry - 5) and p.seconds[False] == [0.1, 0.1, 0.1]  # the last 3 kept
+    call(0.5, 1.0)  # call RETRY retries the fork: faster now, it stays
+    call(0.5, 9.0)
+    assert picks[-2:] == [True, True]
+    call(20.0, 1.0)  # one slow forked call: its best of 3 is still 0.05 a unit
     assert picks[-1] is True
-    call(0.5, 1.0, units=1)  # per unit of work: 0.5 s for 1 step is slower than 1.0 s for 10
-    assert p.per_unit[True] == 0.5
+    call(0.5, 1.0, units=1)  # per unit of work: 0.5 s for 1 step is slow
+    call(0.5, 1.0, units=1)  # the forked way's last 3: 2.0, 0.5, 0.5 a unit, threads' best 0.1
     call(0.5, 1.0)
-    assert picks[-1] is False
+    assert picks[-2:] == [False, False]
