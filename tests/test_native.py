@@ -169,7 +169,7 @@ def test_first_conv_equals_pytorch(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(32, 16, 28, 28), (3, 8, 28, 28), (2, 24, 12, 14), (2, 8, 8, 14)])
+@pytest.mark.parametrize("shape", [(32, 16, 28, 28), (3, 8, 28, 28), (2, 24, 12, 14), (2, 8, 8, 14), (2, 32, 12, 14)])
 def test_first_conv_relu_pool_equals_pytorch(shape, dtype):
     """The BN-free CNN's first block in one kernel, F.max_pool2d(relu(conv(x)), 2) in channels_last: values and
     the weight and bias gradients against PyTorch's float64 ops (one to three channel vectors; an odd number of
@@ -227,8 +227,9 @@ def test_first_conv_relu_pool_takes_the_first_of_tied_windows_and_covers_only_it
     assert not native.covers_first_conv_pool(torch.randn(2, 1, 12, 12), torch.nn.Conv2d(1, 12, 5))  # 12 channels
 
 
-def test_the_first_block_writes_nothing_outside_its_tensors():
-    n, outs, h, w = 3, 8, 12, 14
+@pytest.mark.parametrize("variant", ["", "_wide"])
+def test_the_first_block_writes_nothing_outside_its_tensors(variant):
+    n, outs, h, w = 3, 16, 12, 14
     pooled = n * outs * ((h - 4) // 2) * ((w - 4) // 2)
     sentinel = 1234.5
 
@@ -239,8 +240,8 @@ def test_the_first_block_writes_nothing_outside_its_tensors():
     (dw_buf, dw), (db_buf, db) = within(outs * 25), within(outs)
     x, weight, bias = torch.randn(n, 1, h, w), torch.randn(outs, 1, 5, 5), torch.randn(outs)
     g.copy_(torch.randn(pooled))
-    native._call("conv1_relu_pool_nhwc", torch.float32, x, weight, bias, out, code, n, h, w, outs)
-    native._call("conv1_relu_pool_nhwc_backward", torch.float32, x, g, code, dw, db, n, h, w, outs)
+    native._call("conv1_relu_pool_nhwc" + variant, torch.float32, x, weight, bias, out, code, n, h, w, outs)
+    native._call("conv1_relu_pool_nhwc_backward" + variant, torch.float32, x, g, code, dw, db, n, h, w, outs)
     for buf, size in ((out_buf, pooled), (g_buf, pooled), (dw_buf, outs * 25), (db_buf, outs)):
         assert torch.all(buf[size:] == sentinel)
     assert torch.all(code_buf[pooled:] == 77)
@@ -302,6 +303,29 @@ def test_a_cnn_trains_through_the_kernels_as_with_pytorch_pooling(name):
     got, want = net.state_dict(), ref.cnn.state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_first_blocks_wide_variant_equals_the_standard_one_bit_for_bit(dtype):
+    """The 64-byte-vector variant (taken where the CPU has 512-bit registers: native.wide) does each channel's
+    arithmetic in the same order as the 32-byte one, so outputs, codes and gradients are equal bit for bit; it
+    compiles everywhere, so this runs on any machine (2 wide vectors of channels, an odd number of windows a row)."""
+    n, outs, h, w = 3, 2 * native.WIDE_LANES[dtype], 12, 14
+    gen = torch.Generator().manual_seed(7)
+    x, weight, bias = (torch.randn(shape, generator=gen, dtype=dtype)
+                       for shape in ((n, 1, h, w), (outs, 1, 5, 5), (outs,)))
+    pooled = (n, (h - 4) // 2, (w - 4) // 2, outs)
+    g = torch.randn(pooled, generator=gen, dtype=dtype)
+    results = []
+    for variant in ("", "_wide"):
+        out, code = torch.empty(pooled, dtype=dtype), torch.empty(pooled, dtype=torch.uint8)
+        dw, db = torch.empty(outs, 25, dtype=dtype), torch.empty(outs, dtype=dtype)
+        native._call("conv1_relu_pool_nhwc" + variant, dtype, x, weight, bias, out, code, n, h, w, outs)
+        native._call("conv1_relu_pool_nhwc_backward" + variant, dtype, x, g, code, dw, db, n, h, w, outs)
+        results.append((out, code, dw, db))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert (results[0][1] == 4).any() and (results[0][1] < 4).any()  # dead and live windows both
 
 
 def test_a_bn_free_cnn_trains_through_its_fused_first_block_as_with_pytorch():

@@ -26,25 +26,59 @@
 
 typedef double acc_t __attribute__((vector_size(64)));  /* 8 double accumulators */
 
-#define KERNELS(T, I, SUF, LANES, EVEN, ODD, LOW, HIGH)                                                       \
-typedef T vec_##SUF __attribute__((vector_size(32)));                                                       \
-typedef I mask_##SUF __attribute__((vector_size(32)));                                                      \
+/* The window rule, for vectors of LANES elements of T (32 bytes for the pooling kernels, 64 for the first
+ * block's wide variant): ReLU, the window winner and its code, the gradient spread over a window */
+#define WINDOWS(T, I, SUF, LANES)                                                                           \
+typedef T vec_##SUF __attribute__((vector_size(LANES * sizeof(T))));                                        \
+typedef I mask_##SUF __attribute__((vector_size(LANES * sizeof(I))));                                       \
 typedef uint8_t code_##SUF __attribute__((vector_size(LANES)));                                             \
 typedef double wide_##SUF __attribute__((vector_size(8 * LANES)));                                          \
                                                                                                             \
-static inline vec_##SUF relu_##SUF(vec_##SUF v) { return (vec_##SUF)((mask_##SUF)v & ~(v <= 0)); }         \
-static inline mask_##SUF later_##SUF(vec_##SUF later, vec_##SUF first) {                                   \
+static inline vec_##SUF relu_##SUF(vec_##SUF v) { return (vec_##SUF)((mask_##SUF)v & ~(v <= 0)); }          \
+static inline mask_##SUF later_##SUF(vec_##SUF later, vec_##SUF first) {                                    \
     return (later > first) | (later != later);                                                              \
 }                                                                                                           \
 static inline vec_##SUF pick_##SUF(mask_##SUF m, vec_##SUF yes, vec_##SUF no) {                             \
     return (vec_##SUF)((m & (mask_##SUF)yes) | (~m & (mask_##SUF)no));                                      \
 }                                                                                                           \
-static inline vec_##SUF load_##SUF(const T *p) { vec_##SUF v; memcpy(&v, p, 32); return v; }               \
-static inline void store_##SUF(T *p, vec_##SUF v) { memcpy(p, &v, 32); }                                   \
+static inline vec_##SUF load_##SUF(const T *p) { vec_##SUF v; memcpy(&v, p, sizeof v); return v; }          \
+static inline void store_##SUF(T *p, vec_##SUF v) { memcpy(p, &v, sizeof v); }                              \
                                                                                                             \
+typedef struct { vec_##SUF q[4]; } quarters_##SUF;                                                          \
+/* relu(x * scale + shift) pooled over LANES windows given by their quarters: the outputs, their codes and   \
+ * (taken != 0) the input x each output was taken from (BatchNorm's backward sums need it) */               \
+static inline void pool_windows_##SUF(quarters_##SUF v, vec_##SUF scale, vec_##SUF shift, T *out,           \
+                                      uint8_t *code, T *taken) {                                            \
+    vec_##SUF a = relu_##SUF(v.q[0] * scale + shift), b = relu_##SUF(v.q[1] * scale + shift);               \
+    vec_##SUF c = relu_##SUF(v.q[2] * scale + shift), d = relu_##SUF(v.q[3] * scale + shift);               \
+    mask_##SUF top_right = later_##SUF(b, a), bottom_right = later_##SUF(d, c);                             \
+    vec_##SUF top = pick_##SUF(top_right, b, a), bottom = pick_##SUF(bottom_right, d, c);                   \
+    mask_##SUF lower = later_##SUF(bottom, top);                                                            \
+    vec_##SUF best = pick_##SUF(lower, bottom, top);                                                        \
+    /* masks are 0 or -1: the top row gives 0 or 1, the bottom 2 or 3 */                                    \
+    mask_##SUF at = (lower & (2 - bottom_right)) | (~lower & -top_right);                                   \
+    mask_##SUF dead = best <= 0;                                                                            \
+    at = (at & ~dead) | (dead & NO_GRAD);                                                                   \
+    code_##SUF c8 = __builtin_convertvector(at, code_##SUF);                                                \
+    store_##SUF(out, best); memcpy(code, &c8, LANES);                                                       \
+    if (taken) {                                                                                            \
+        vec_##SUF x_top = pick_##SUF(top_right, v.q[1], v.q[0]), x_bottom = pick_##SUF(bottom_right, v.q[3], v.q[2]); \
+        store_##SUF(taken, pick_##SUF(lower, x_bottom, x_top));                                             \
+    }                                                                                                       \
+}                                                                                                           \
+/* the pooled gradient g of LANES windows as the gradient of their four quarters (zero where not taken) */   \
+static inline quarters_##SUF spread_##SUF(const T *g, const uint8_t *code) {                                \
+    code_##SUF c8; memcpy(&c8, code, LANES);                                                                \
+    mask_##SUF at = __builtin_convertvector(c8, mask_##SUF), gi = (mask_##SUF)load_##SUF(g);                \
+    quarters_##SUF out = {{(vec_##SUF)(gi & (at == 0)), (vec_##SUF)(gi & (at == 1)),                        \
+                           (vec_##SUF)(gi & (at == 2)), (vec_##SUF)(gi & (at == 3))}};                      \
+    return out;                                                                                             \
+}
+
+#define KERNELS(T, I, SUF, LANES, EVEN, ODD, LOW, HIGH)                                                     \
+WINDOWS(T, I, SUF, LANES)                                                                                   \
 /* A window block: LANES windows side by side, each quarter a vector (top left, top right, bottom left, bottom \
  * right), read from 2 * LANES elements of each of the two rows */                                          \
-typedef struct { vec_##SUF q[4]; } quarters_##SUF;                                                          \
 static inline quarters_##SUF quarters_##SUF##_of(const T *r0, const T *r1) {                                \
     const mask_##SUF even = EVEN, odd = ODD;                                                                \
     vec_##SUF x0 = load_##SUF(r0), x1 = load_##SUF(r0 + LANES), y0 = load_##SUF(r1), y1 = load_##SUF(r1 + LANES); \
@@ -61,46 +95,16 @@ static inline void store_quarters_##SUF(quarters_##SUF v, T *r0, T *r1) {       
     store_##SUF(r1 + LANES, __builtin_shuffle(v.q[2], v.q[3], high));                                       \
 }                                                                                                           \
                                                                                                             \
-/* relu(x * scale + shift) pooled over LANES windows given by their quarters: the outputs, their codes and   \
- * (taken != 0) the input x each output was taken from (BatchNorm's backward sums need it) */                \
-static inline void pool_windows_##SUF(quarters_##SUF v, vec_##SUF scale, vec_##SUF shift, T *out,           \
-                                      uint8_t *code, T *taken) {                                            \
-    vec_##SUF a = relu_##SUF(v.q[0] * scale + shift), b = relu_##SUF(v.q[1] * scale + shift);              \
-    vec_##SUF c = relu_##SUF(v.q[2] * scale + shift), d = relu_##SUF(v.q[3] * scale + shift);              \
-    mask_##SUF top_right = later_##SUF(b, a), bottom_right = later_##SUF(d, c);                             \
-    vec_##SUF top = pick_##SUF(top_right, b, a), bottom = pick_##SUF(bottom_right, d, c);                  \
-    mask_##SUF lower = later_##SUF(bottom, top);                                                            \
-    vec_##SUF best = pick_##SUF(lower, bottom, top);                                                        \
-    /* masks are 0 or -1: the top row gives 0 or 1, the bottom 2 or 3 */                                    \
-    mask_##SUF at = (lower & (2 - bottom_right)) | (~lower & -top_right);                                   \
-    mask_##SUF dead = best <= 0;                                                                            \
-    at = (at & ~dead) | (dead & NO_GRAD);                                                                   \
-    code_##SUF c8 = __builtin_convertvector(at, code_##SUF);                                                \
-    store_##SUF(out, best); memcpy(code, &c8, LANES);                                                       \
-    if (taken) {                                                                                            \
-        vec_##SUF x_top = pick_##SUF(top_right, v.q[1], v.q[0]), x_bottom = pick_##SUF(bottom_right, v.q[3], v.q[2]); \
-        store_##SUF(taken, pick_##SUF(lower, x_bottom, x_top));                                             \
-    }                                                                                                       \
-}                                                                                                           \
-static inline void forward_block_##SUF(const T *r0, const T *r1, vec_##SUF scale, vec_##SUF shift,         \
+static inline void forward_block_##SUF(const T *r0, const T *r1, vec_##SUF scale, vec_##SUF shift,          \
                                        T *out, uint8_t *code, T *taken) {                                   \
     pool_windows_##SUF(quarters_##SUF##_of(r0, r1), scale, shift, out, code, taken);                        \
 }                                                                                                           \
                                                                                                             \
-/* the pooled gradient g of LANES windows as the gradient of their four quarters (zero where not taken) */   \
-static inline quarters_##SUF spread_##SUF(const T *g, const uint8_t *code) {                                \
-    code_##SUF c8; memcpy(&c8, code, LANES);                                                                \
-    mask_##SUF at = __builtin_convertvector(c8, mask_##SUF), gi = (mask_##SUF)load_##SUF(g);                \
-    quarters_##SUF out = {{(vec_##SUF)(gi & (at == 0)), (vec_##SUF)(gi & (at == 1)),                        \
-                           (vec_##SUF)(gi & (at == 2)), (vec_##SUF)(gi & (at == 3))}};                      \
-    return out;                                                                                             \
-}                                                                                                           \
-                                                                                                            \
 /* Every window row of a plane. A row's last, partial block reads and writes past the row's end: what it      \
- * reads there is discarded and what it writes is the next row's, written again when that row's turn comes    \
- * (rows and planes go in memory order). Where less than a block's spill-over is left in the tensors (`rest`:  \
- * the planes after this one), it goes through zero-padded copies, so nothing outside them is touched. */     \
-static void forward_plane_##SUF(const T *z, T *out, uint8_t *code, T *taken, int64_t h, int64_t w, T scale,  \
+ * reads there is discarded and what it writes is the next row's, written again when that row's turn comes  \
+ * (rows and planes go in memory order). Where less than a block's spill-over is left in the tensors (`rest`: \
+ * the planes after this one), it goes through zero-padded copies, so nothing outside them is touched. */   \
+static void forward_plane_##SUF(const T *z, T *out, uint8_t *code, T *taken, int64_t h, int64_t w, T scale, \
                                 T shift, int64_t rest) {                                                    \
     int64_t ow = w / 2;                                                                                     \
     vec_##SUF sc = scale - (vec_##SUF){0}, sh = shift - (vec_##SUF){0};                                     \
@@ -122,8 +126,8 @@ static void forward_plane_##SUF(const T *z, T *out, uint8_t *code, T *taken, int
 }                                                                                                           \
                                                                                                             \
 /* The input gradient of a plane: k_dy * (spread g) + k0 + k1 * z (relu_pool: 1, 0, 0 and no z). A row's   \
- * partial last block reads past the row's end (discarded; padded copies where the tensors end, as in        \
- * forward_plane) and writes back only its own elements. */                                                  \
+ * partial last block reads past the row's end (discarded; padded copies where the tensors end, as in       \
+ * forward_plane) and writes back only its own elements. */                                                 \
 static inline void backward_block_##SUF(const T *g, const uint8_t *code, const T *z0, const T *z1,          \
                                         vec_##SUF k_dy, vec_##SUF k0, vec_##SUF k1, T *r0, T *r1, int64_t n) { \
     quarters_##SUF dy = spread_##SUF(g, code);                                                              \
@@ -181,19 +185,19 @@ void relu_pool_nhwc_##SUF(const T *z, T *out, uint8_t *code, int64_t n, int64_t 
                 const T *p0 = z + ((b * h + 2 * i) * w + 2 * j) * c, *p1 = p0 + w * c;                      \
                 T *o = out + ((b * oh + i) * ow + j) * c; uint8_t *cd = code + ((b * oh + i) * ow + j) * c; \
                 for (int64_t k = 0; k < c; k += LANES) {                                                    \
-                    quarters_##SUF v = {{load_##SUF(p0 + k), load_##SUF(p0 + c + k),                       \
+                    quarters_##SUF v = {{load_##SUF(p0 + k), load_##SUF(p0 + c + k),                        \
                                          load_##SUF(p1 + k), load_##SUF(p1 + c + k)}};                      \
                     pool_windows_##SUF(v, one, zero, o + k, cd + k, 0);                                     \
                 }                                                                                           \
             }                                                                                               \
 }                                                                                                           \
-void relu_pool_nhwc_backward_##SUF(const T *g, const uint8_t *code, T *dz, int64_t n, int64_t c, int64_t h,  \
+void relu_pool_nhwc_backward_##SUF(const T *g, const uint8_t *code, T *dz, int64_t n, int64_t c, int64_t h, \
                                    int64_t w) {                                                             \
     int64_t oh = h / 2, ow = w / 2;                                                                         \
     for (int64_t b = 0; b < n; b++)                                                                         \
         for (int64_t i = 0; i < oh; i++)                                                                    \
             for (int64_t j = 0; j < ow; j++) {                                                              \
-                T *p0 = dz + ((b * h + 2 * i) * w + 2 * j) * c, *p1 = p0 + w * c;                            \
+                T *p0 = dz + ((b * h + 2 * i) * w + 2 * j) * c, *p1 = p0 + w * c;                           \
                 const T *gr = g + ((b * oh + i) * ow + j) * c;                                              \
                 const uint8_t *cd = code + ((b * oh + i) * ow + j) * c;                                     \
                 for (int64_t k = 0; k < c; k += LANES) {                                                    \
@@ -219,9 +223,9 @@ static void sums_##SUF(const T *v, int64_t len, double shift, double *s1, double
 }                                                                                                           \
                                                                                                             \
 /* Training-mode BatchNorm2d (biased variance to normalize, unbiased into the running variance, PyTorch's    \
- * momentum convention), then relu_pool. mean, invstd (C doubles) and the input each output was taken from     \
- * (`taken`, the output's shape) are kept for the backward pass. */                                           \
-void bn_relu_pool_##SUF(const T *z, const T *weight, const T *bias, T *running_mean, T *running_var,         \
+ * momentum convention), then relu_pool. mean, invstd (C doubles) and the input each output was taken from  \
+ * (`taken`, the output's shape) are kept for the backward pass. */                                         \
+void bn_relu_pool_##SUF(const T *z, const T *weight, const T *bias, T *running_mean, T *running_var,        \
                         double momentum, double eps, T *out, uint8_t *code, T *taken, double *mean,         \
                         double *invstd, int64_t n, int64_t c, int64_t h, int64_t w) {                       \
     int64_t hw = h * w, o = (h / 2) * (w / 2);                                                              \
@@ -245,7 +249,7 @@ void bn_relu_pool_##SUF(const T *z, const T *weight, const T *bias, T *running_m
 }                                                                                                           \
                                                                                                             \
 /* Its gradient: dbias = sum dy, dweight = sum dy * xhat, dz = weight * invstd * (dy - mean(dy)              \
- * - xhat * mean(dy * xhat)), dy being the pooled gradient g at the windows' taken positions, so that both    \
+ * - xhat * mean(dy * xhat)), dy being the pooled gradient g at the windows' taken positions, so that both  \
  * sums run over the pooled arrays (in double: exact products for float32) */                               \
 void bn_relu_pool_backward_##SUF(const T *g, const uint8_t *code, const T *taken, const T *z, const T *weight, \
                                  const double *mean, const double *invstd, T *dz, T *dweight, T *dbias,     \
@@ -267,7 +271,7 @@ void bn_relu_pool_backward_##SUF(const T *g, const uint8_t *code, const T *taken
                 sum_dy_z += d * __builtin_convertvector(load_##SUF(tp + i), wide_##SUF);                    \
             }                                                                                               \
             for (; i < o; i++)                                                                              \
-                if (cp[i] != NO_GRAD) { sdy += gp[i]; sdz += (double)gp[i] * tp[i]; }                      \
+                if (cp[i] != NO_GRAD) { sdy += gp[i]; sdz += (double)gp[i] * tp[i]; }                       \
         }                                                                                                   \
         for (int k = 0; k < LANES; k++) { sdy += sum_dy[k]; sdz += sum_dy_z[k]; }                           \
         double sdx = invstd[ch] * (sdz - mean[ch] * sdy);  /* sum of dy * xhat */                           \
@@ -304,10 +308,10 @@ KERNELS(double, int64_t, f64, 4, F64_EVEN, F64_ODD, F64_LOW, F64_HIGH)
  * weight gradient masks the overlapping lanes out. Needs OW >= LANES (native.py checks). */
 #define TAPS 5
 #define GROUP 8
-#define CONV1(T, I, SUF, LANES)                                                                               \
+#define CONV1(T, I, SUF, LANES)                                                                             \
 typedef T cvec_##SUF __attribute__((vector_size(32)));                                                      \
 typedef I cmask_##SUF __attribute__((vector_size(32)));                                                     \
-static inline cvec_##SUF cload_##SUF(const T *p) { cvec_##SUF v; memcpy(&v, p, 32); return v; }            \
+static inline cvec_##SUF cload_##SUF(const T *p) { cvec_##SUF v; memcpy(&v, p, 32); return v; }             \
 static inline int64_t block_start_##SUF(int64_t blk, int64_t ow) {                                          \
     return blk * LANES < ow - LANES ? blk * LANES : ow - LANES;                                             \
 }                                                                                                           \
@@ -341,12 +345,12 @@ void conv1_##SUF(const T *x, const T *weight, const T *bias, T *y, int64_t n, in
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
-void conv1_weight_grad_##SUF(const T *x, const T *dy, T *dweight, T *dbias, int64_t n, int64_t h, int64_t w,  \
+void conv1_weight_grad_##SUF(const T *x, const T *dy, T *dweight, T *dbias, int64_t n, int64_t h, int64_t w, \
                              int64_t outs) {                                                                \
     int64_t oh = h - TAPS + 1, ow = w - TAPS + 1, blocks = (ow + LANES - 1) / LANES;                        \
     cvec_##SUF lane;                                                                                        \
     for (int l = 0; l < LANES; l++) lane[l] = (T)l;                                                         \
-    for (int64_t o = 0; o < outs; o++) {  /* 25 independent accumulators: FMA throughput, not latency */       \
+    for (int64_t o = 0; o < outs; o++) {  /* 25 independent accumulators: FMA throughput, not latency */    \
         cvec_##SUF acc[TAPS * TAPS] = {{0}}, acc_b = {0};                                                   \
         for (int64_t b = 0; b < n; b++)                                                                     \
             for (int64_t i = 0; i < oh; i++) {                                                              \
@@ -383,7 +387,7 @@ CONV1(double, int64_t, f64, 4)
  * weight and bias gradients from it, the conv outputs' gradient never stored either. Two windows side by side
  * make 8 independent accumulator chains; the gradient sums are per image in the input's type, over images in
  * double (PyTorch's own float32 gradient was 2x nearer float64 than one float sum over the batch). */
-#define CONV1_POOL(T, SUF, LANES)                                                                             \
+#define CONV1_POOL(T, SUF, LANES)                                                                           \
 static inline void window_pair_##SUF(const T *x, int64_t w, const vec_##SUF *wt, vec_##SUF b0, int two,     \
                                      quarters_##SUF *q) {                                                   \
     quarters_##SUF a = {{b0, b0, b0, b0}}, c = {{b0, b0, b0, b0}};                                          \
@@ -391,13 +395,13 @@ static inline void window_pair_##SUF(const T *x, int64_t w, const vec_##SUF *wt,
         for (int s = 0; s < TAPS; s++) {                                                                    \
             const T *r0 = x + p * w + s, *r1 = r0 + w;                                                      \
             vec_##SUF k = wt[p * TAPS + s];                                                                 \
-            a.q[0] += r0[0] * k; a.q[1] += r0[1] * k; a.q[2] += r1[0] * k; a.q[3] += r1[1] * k;            \
+            a.q[0] += r0[0] * k; a.q[1] += r0[1] * k; a.q[2] += r1[0] * k; a.q[3] += r1[1] * k;             \
             if (two) { c.q[0] += r0[2] * k; c.q[1] += r0[3] * k; c.q[2] += r1[2] * k; c.q[3] += r1[3] * k; } \
         }                                                                                                   \
     q[0] = a; q[1] = c;                                                                                     \
 }                                                                                                           \
 void conv1_relu_pool_nhwc_##SUF(const T *x, const T *weight, const T *bias, T *out, uint8_t *code, int64_t n, \
-                                int64_t h, int64_t w, int64_t outs) {                                      \
+                                int64_t h, int64_t w, int64_t outs) {                                       \
     int64_t ph = (h - TAPS + 1) / 2, pw = (w - TAPS + 1) / 2;                                               \
     vec_##SUF one = 1 - (vec_##SUF){0}, zero = {0};                                                         \
     for (int64_t g = 0; g < outs; g += LANES) {                                                             \
@@ -411,7 +415,7 @@ void conv1_relu_pool_nhwc_##SUF(const T *x, const T *weight, const T *bias, T *o
                 for (int64_t j = 0; j < pw; j += 2) {                                                       \
                     int two = j + 1 < pw;                                                                   \
                     quarters_##SUF q[2];                                                                    \
-                    window_pair_##SUF(x + (b * h + 2 * i) * w + 2 * j, w, wt, b0, two, q);                 \
+                    window_pair_##SUF(x + (b * h + 2 * i) * w + 2 * j, w, wt, b0, two, q);                  \
                     int64_t at = ((b * ph + i) * pw + j) * outs + g;                                        \
                     pool_windows_##SUF(q[0], one, zero, out + at, code + at, 0);                            \
                     if (two) pool_windows_##SUF(q[1], one, zero, out + at + outs, code + at + outs, 0);     \
@@ -449,3 +453,20 @@ void conv1_relu_pool_nhwc_backward_##SUF(const T *x, const T *grad, const uint8_
 
 CONV1_POOL(float, f32, 8)
 CONV1_POOL(double, f64, 4)
+
+/* The first block's wide variant: 64-byte vectors (16 float or 8 double channels), for CPUs with 512-bit
+ * registers, where it halves the block's instructions (forward 0.19 -> 0.10 ms, backward 0.21 -> 0.15 ms for 32
+ * MNIST images and 16 channels on one core, the same results bit for bit). Elsewhere the compiler would split each
+ * vector in two and spill the 25 gradient accumulators, so native.py takes it where wide_vectors_native() says. */
+WINDOWS(float, int32_t, wide_f32, 16)
+WINDOWS(double, int64_t, wide_f64, 8)
+CONV1_POOL(float, wide_f32, 16)
+CONV1_POOL(double, wide_f64, 8)
+
+int wide_vectors_native(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -52,6 +52,10 @@ SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "conv1_relu_pool_nhwc_backward": [_P] * 5 + [_I] * 4,
 }
 LANES = {torch.float32: 8, torch.float64: 4}  # the kernels' vector width (kernels.c: 32 bytes)
+# the first block's wide variant (64 bytes), taken where the CPU has 512-bit registers and the channels fill them
+WIDE_KERNELS = ("conv1_relu_pool_nhwc", "conv1_relu_pool_nhwc_backward")
+WIDE_LANES = {torch.float32: 16, torch.float64: 8}
+wide = False  # whether this machine's build runs the wide variant natively (set when the library loads)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -102,7 +106,7 @@ def _build(cc: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (and `why_not` says why) where they cannot be had."""
-    global _library, _tried, why_not
+    global _library, _tried, why_not, wide
     if _tried:
         return _library
     with _lock:
@@ -120,6 +124,11 @@ def library() -> ctypes.CDLL | None:
                         fn = getattr(lib, f"{name}_{suffix}")
                         fn.argtypes, fn.restype = argtypes, None
                         _kernels[name, dtype] = fn
+                    for name in WIDE_KERNELS:
+                        fn = getattr(lib, f"{name}_wide_{suffix}")
+                        fn.argtypes, fn.restype = SIGNATURES[name], None
+                        _kernels[name + "_wide", dtype] = fn
+                wide = bool(lib.wide_vectors_native())
                 _library = lib
             except (OSError, subprocess.SubprocessError) as e:
                 why_not = f"building {SOURCE.name} failed: {e}"
@@ -244,7 +253,8 @@ class _FirstConvReluPool(torch.autograd.Function):
         outs = weight.shape[0]
         out = torch.empty(n, outs, (h - 4) // 2, (w - 4) // 2, dtype=x.dtype, memory_format=torch.channels_last)
         code = torch.empty_like(out, dtype=torch.uint8)
-        _call("conv1_relu_pool_nhwc", x.dtype, x, weight, bias, out, code, n, h, w, outs)
+        ctx.kernel = "conv1_relu_pool_nhwc" + ("_wide" if wide and outs % WIDE_LANES[x.dtype] == 0 else "")
+        _call(ctx.kernel, x.dtype, x, weight, bias, out, code, n, h, w, outs)
         ctx.save_for_backward(x, code)
         ctx.weight_shape = weight.shape
         return out
@@ -256,8 +266,8 @@ class _FirstConvReluPool(torch.autograd.Function):
         n, _, h, w = x.shape
         grad_weight = grad.new_empty(ctx.weight_shape)
         grad_bias = grad.new_empty(ctx.weight_shape[0])
-        _call("conv1_relu_pool_nhwc_backward", x.dtype, x, grad, code, grad_weight, grad_bias, n, h, w,
-              ctx.weight_shape[0])
+        name = "conv1_relu_pool_nhwc_backward" + ("_wide" if ctx.kernel.endswith("_wide") else "")
+        _call(name, x.dtype, x, grad, code, grad_weight, grad_bias, n, h, w, ctx.weight_shape[0])
         return None, grad_weight, grad_bias
 
 
