@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import mmap
-import multiprocessing
 import os
 import pickle
 import signal
@@ -83,7 +82,7 @@ def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> 
     workers = max(1, min(workers, count))
     handed_out = shared_empty((1,), torch.int64)  # the next task's index; >= count: no more
     handed_out.zero_()
-    lock = multiprocessing.get_context("fork").Lock()
+    lock = _PipeLock()
 
     def work(worker: int) -> None:
         while True:
@@ -137,6 +136,26 @@ def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> 
         for fd in (error_read, error_write):
             if fd >= 0:
                 os.close(fd)
+        lock.close()
+
+
+class _PipeLock:
+    """A lock shared by forked processes: one byte in a pipe, taken by reading it, given back by writing it (no
+    POSIX semaphore, so no /dev/shm needed)."""
+
+    def __init__(self) -> None:
+        self.read, self.write = os.pipe()
+        os.write(self.write, b"\0")
+
+    def __enter__(self) -> None:
+        os.read(self.read, 1)
+
+    def __exit__(self, *exc) -> None:
+        os.write(self.write, b"\0")
+
+    def close(self) -> None:
+        os.close(self.read)
+        os.close(self.write)
 
 
 def _child(worker: int, work: Callable[[int], None], error_read: int, error_write: int) -> None:
