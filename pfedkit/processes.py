@@ -1,9 +1,10 @@
 """Tasks side by side in forked worker processes, their results in shared memory.
 
-Why processes: clients trained side by side in threads share one GIL, and a small CNN's step holds it for 15-25 %
-of its time (the Python of the forward, autograd's custom functions, argument parsing). On 2 cores two threads
-then ran 1.4-1.7x one thread, while two processes ran 2.0x (measured: LeNet-5 / the pFedHN CNN, one client each,
-batch 32; benchmarks/bench_cnn_clients.py). Forked children inherit the model, the data and the task as they are
+Why processes: clients trained side by side in threads share one GIL, and a small CNN's step holds it for a
+good part of its time (under perf, libpython was 12-18 % of a step: the forward's Python, autograd's custom
+functions, argument parsing). On 2 cores two threads ran 1.4-1.8x one thread, two processes 2.0x (a step loop
+each, batch 32, the pFedHN CNN with and without BatchNorm and LeNet-5; the engine's rows: benchmarks/
+bench_cnn_clients.py). Forked children inherit the model, the data and the task as they are
 in memory, so nothing is pickled; they write their results into tensors the parent mapped shared before the
 fork. The parent works too, as one of the workers: one fork fewer, and its share of the work runs without copies
 on write.
@@ -24,7 +25,6 @@ import warnings
 from typing import Callable
 
 import torch
-
 
 
 def available() -> bool:
@@ -61,6 +61,9 @@ class Placement:
         self.calls += 1
         if self.calls <= 4:
             return self.calls <= 2
+        unmeasured = [way for way in (True, False) if not self.seconds[way]]  # its calls failed: try it again
+        if unmeasured:
+            return unmeasured[0]
         best = min(self.seconds, key=lambda way: min(self.seconds[way]))
         return best != (self.calls % self.RETRY == 0)
 

@@ -162,3 +162,12 @@ def test_the_placement_forks_only_while_forking_measures_faster():
     call(0.5, 1.0, units=1)  # (both forked: 0.05 a unit was still among the last 3)
     call(0.5, 1.0)  # the forked way's last 3 are 2.0, 0.5, 0.5 a unit; threads' best 0.1
     assert picks[-3:] == [True, True, False]
+
+
+def test_a_way_whose_calls_all_failed_is_tried_again():
+    p = processes.Placement()
+    for _ in range(4):
+        forked = p.fork()
+        if forked:
+            p.record(True, 1.0, 10)  # the threads' calls raised: nothing recorded for them
+    assert p.fork() is False and p.seconds[False] == []
