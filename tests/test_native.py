@@ -288,9 +288,14 @@ def test_a_cnn_trains_through_the_kernels_as_with_pytorch_pooling(name):
     """Ten SGD steps (momentum) of a BatchNorm CNN in float64 on MNIST-sized inputs, the kernels' forward against
     the reference's: parameters and running statistics equal (the pooled values and gradients are exact, so only
     the order of float64 sums elsewhere could differ)."""
-    torch.manual_seed(0)
     net = build_model(ModelConfig(name), (1, 28, 28), 10, 0).double()
-    ref = Plain(copy.deepcopy(net))
+    assert_ten_sgd_steps_equal(net, Plain(copy.deepcopy(net)))
+
+
+def assert_ten_sgd_steps_equal(net: torch.nn.Module, ref: Plain) -> None:
+    """Ten SGD steps (momentum) of net and of the reference on the same MNIST-sized float64 batches: equal
+    parameters and running statistics."""
+    torch.manual_seed(0)
     x = torch.rand(10, 16, 1, 28, 28, dtype=torch.float64)
     x[:, :, :, :6] = 0  # MNIST-like empty rows: constant windows after the first convolution
     y = torch.randint(0, 10, (10, 16))
@@ -331,23 +336,11 @@ def test_the_first_blocks_wide_variant_equals_the_standard_one_bit_for_bit(dtype
 def test_a_bn_free_cnn_trains_through_its_fused_first_block_as_with_pytorch():
     """Ten SGD steps of the BN-free CNN as pfedkit holds it (a FlatModel: conv weights channels_last, so the first
     block runs as one kernel) in float64, against the same CNN with PyTorch's ops: equal parameters."""
-    torch.manual_seed(0)
     net = FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0).double()).module
-    ref = Plain(copy.deepcopy(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0).double()))
-    x = torch.rand(10, 16, 1, 28, 28, dtype=torch.float64)
-    x[:, :, :, :6] = 0
-    y = torch.randint(0, 10, (10, 16))
-    assert native.covers_first_conv_pool(x[0], net.conv1)
+    ref = Plain(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0).double())
+    assert native.covers_first_conv_pool(torch.rand(16, 1, 28, 28, dtype=torch.float64), net.conv1)
     assert net.conv2.weight.is_contiguous(memory_format=torch.channels_last)
-    for model in (net, ref):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        for t in range(10):
-            opt.zero_grad()
-            F.cross_entropy(model(x[t]), y[t]).backward()
-            opt.step()
-    got, want = net.state_dict(), ref.cnn.state_dict()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
+    assert_ten_sgd_steps_equal(net, ref)
 
 
 def test_torch_func_transforms_take_pytorch_ops():
