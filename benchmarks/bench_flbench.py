@@ -75,7 +75,7 @@ def main() -> None:
           f"{args.clients} clients")
     print(f"{'algorithm':>10} {'steps/rnd':>9} {'s/round':>8} {'server':>7} {'eval s':>7} {'eval/10 rnd':>12} {'client s/rnd':>13} "
           f"{'bare s/rnd':>11} {'client/bare':>12} {'FL-bench s/rnd':>15} {'x FL-bench':>11} {'x per param':>12} "
-          f"{'x per MAC':>10}")
+          f"{'x per MAC':>10} {'GPU GB':>7}")
     for name in args.algorithms.split(","):
         size = [] if args.smoke else [f"partition.num_clients={args.clients}",
                                       f"clients_per_round={max(1, args.clients // 10)}"]
@@ -84,7 +84,11 @@ def main() -> None:
         cfg = cfg.for_algorithm(name)
         data = prepare(cfg)
         engine_round(cfg, data)  # warm-up (allocator, kernels)
+        cuda = data.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         got = engine_round(cfg, data)
+        peak = f"{torch.cuda.max_memory_allocated() / 2**30:7.2f}" if cuda else f"{'-':>7}"
         # the same clients' steps (every algorithm here trains 1 epoch each); the first call warms up
         bare_s, steps = min(bare_fedavg(cfg, data) for _ in range(2))
         bare = bare_s / rounds
@@ -96,7 +100,7 @@ def main() -> None:
         print(f"{name:>10} {steps / rounds:>9.0f} {got['s_round']:>8.3f} {got['server']:>7.1%} {got['eval_s']:>7.2f} {eval_share:>12.0%} "
               f"{got['train_s_round']:>13.3f} {bare:>11.3f} {got['train_s_round'] / bare:>12.2f} "
               f"{ref if ref else '-':>15} {speedup:>11.2f} {speedup * params / lenet_params:>12.2f} "
-              f"{speedup * macs / lenet_macs:>10.2f}")
+              f"{speedup * macs / lenet_macs:>10.2f} {peak}")
 
 
 if __name__ == "__main__":

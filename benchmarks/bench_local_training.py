@@ -72,7 +72,7 @@ def plain(net: torch.nn.Module) -> torch.nn.Module:
 
 def bare_fedavg(cfg, data) -> tuple[float, int]:
     """Plain PyTorch FedAvg: load the global state dict, SGD over the seeded batches, average state dicts."""
-    net = plain(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
+    net = plain(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)).to(data.device)
     global_state = copy.deepcopy(net.state_dict())
     steps = 0
     t0 = time.perf_counter()

@@ -93,6 +93,9 @@ class LocalConfig:
     # where the side-by-side clients of plain local training run (Cohort.train, every algorithm but pFedMe's and
     # Per-FedAvg's solvers): forked processes on Linux CPUs (no shared GIL: pfedkit/processes.py), or threads
     workers_in: str = choices("processes", "threads", default="processes")
+    # lockstep training on a GPU: each step one replay of a captured CUDA graph (cuda_graphs.py; same kernels,
+    # launched at once) rather than dozens of small kernel launches from Python
+    cuda_graphs: bool = True
 
 
 @dataclass

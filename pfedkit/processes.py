@@ -28,7 +28,9 @@ import torch
 
 
 def available() -> bool:
-    return sys.platform.startswith("linux") and hasattr(os, "fork")
+    """Forking is possible: on Linux, and not once this process has used CUDA (its driver state and autograd's
+    device threads do not survive a fork: PyTorch refuses a backward in the child)."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and not torch.cuda.is_initialized()
 
 
 def shared_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

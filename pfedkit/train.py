@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import processes
+from . import cuda_graphs, processes
 from .config import LocalConfig
 from .data import ClientData, FederatedData
 from .errors import DataError
@@ -246,36 +246,107 @@ class BatchedLoss:
         return grads, losses.detach()
 
 
+@dataclass
+class LockstepState:
+    """What lockstep SGD updates in place, all clients at once: `vectors` (C, D) (parameters, then BatchNorm
+    running statistics), its `params` and `buffers` views, momentum `velocity`, and per client the summed batch
+    loss and the number of steps taken."""
+    vectors: torch.Tensor
+    params: torch.Tensor
+    buffers: torch.Tensor | None
+    velocity: torch.Tensor | None
+    loss_sum: torch.Tensor
+    steps: torch.Tensor
+
+    @classmethod
+    def begin(cls, vectors: torch.Tensor, param_size: int, momentum: bool) -> "LockstepState":
+        params, buffers = vectors[:, :param_size], vectors[:, param_size:]
+        zeros = lambda: torch.zeros(len(vectors), device=vectors.device)  # noqa: E731
+        return cls(vectors, params, buffers if buffers.shape[1] else None,
+                   torch.zeros_like(params) if momentum else None, zeros(), zeros())
+
+
+def lockstep_step(loss: BatchedLoss, s: LockstepState, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                  hp: LocalConfig, objective: Objective) -> None:
+    """One SGD step of every client on its batch (x (C, B, ...), y and mask (C, B)), in place on `s`; a client
+    without a real sample in it stays put. Every update is in place and nothing waits for the device, so the step
+    can be captured as a CUDA graph (cuda_graphs.py)."""
+    grads, losses = loss(s.params, x, y, mask, s.buffers)
+    if objective.clip_norm > 0:  # each client's own norm
+        grads = grads * clip_coefficient(grads.norm(dim=1, keepdim=True), objective.clip_norm)
+    if hp.weight_decay > 0:
+        grads = grads + hp.weight_decay * s.params
+    if objective.prox_anchor is not None and objective.prox_mu > 0:
+        grads = grads + objective.prox_mu * (s.params - objective.prox_anchor[..., : s.params.shape[-1]])
+    if objective.trainable is not None:
+        grads = grads * objective.trainable
+    active = (mask.sum(1) > 0).to(s.params.dtype)[:, None]
+    if s.velocity is not None:
+        s.velocity.copy_(torch.where(active > 0, hp.momentum * s.velocity + grads, s.velocity))
+        grads = s.velocity
+    s.params -= hp.lr * active * grads
+    s.loss_sum += active[:, 0] * losses
+    s.steps += active[:, 0]
+
+
 def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_all: torch.Tensor,
                 idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig,
                 objective: Objective = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """`sgd` for many clients at once (same steps, same batches); a client whose stream has ended stays put.
     params (C, D): the parameters and then the BatchNorm running statistics, updated as training mode does.
-    Returns (trained params (C, D), mean batch loss per client)."""
-    vectors = params.clone()
-    params, buffers = vectors[:, : loss.param_size], vectors[:, loss.param_size:]  # views into `vectors`
-    buffers = buffers if buffers.shape[1] else None
-    velocity = torch.zeros_like(params) if hp.momentum > 0 else None
-    loss_sum = torch.zeros(len(params), device=params.device)
-    steps = torch.zeros(len(params), device=params.device)
+    On a GPU (`local.cuda_graphs`) each step is one replay of a captured CUDA graph. Returns (trained params
+    (C, D), mean batch loss per client)."""
+    s = LockstepState.begin(params.clone(), loss.param_size, hp.momentum > 0)
+    if not (hp.cuda_graphs and s.vectors.is_cuda and idx.shape[0] > 0
+            and graphed_lockstep(loss, s, x_all, y_all, idx, mask, hp, objective)):
+        for t in range(idx.shape[0]):
+            lockstep_step(loss, s, x_all[idx[t]], y_all[idx[t]], mask[t], hp, objective)
+    return s.vectors, s.loss_sum / s.steps.clamp_min(1.0)
+
+
+def graphed_lockstep(loss: BatchedLoss, s: LockstepState, x_all: torch.Tensor, y_all: torch.Tensor,
+                     idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig, objective: Objective) -> bool:
+    """`batched_sgd`'s steps as replays of one captured step (cuda_graphs.py), kept on the model's BatchedLoss for
+    the next calls of the same shapes and hyperparameters: each step's batches are gathered into the graph's static
+    inputs, the start, the objective's tensors and the sums are copied in before the first replay and the results
+    out after the last. The same kernels as the eager steps. False if the step could not be captured."""
+    c, b = idx.shape[1:]
+    shape = lambda t: None if t is None else tuple(t.shape)  # noqa: E731
+    key = (tuple(s.vectors.shape), s.vectors.dtype, b, tuple(x_all.shape[1:]), x_all.dtype, y_all.dtype,
+           s.buffers is not None, hp.lr, hp.momentum, hp.weight_decay, objective.prox_mu, objective.clip_norm,
+           shape(objective.prox_anchor), shape(objective.trainable))
+
+    def make() -> tuple:
+        static = LockstepState.begin(s.vectors.clone(), loss.param_size, s.velocity is not None)
+        x, y, m = x_all[idx[0]], y_all[idx[0]], mask[0].clone()
+        copy_of = lambda t: None if t is None else t.clone()  # noqa: E731
+        fixed = Objective(copy_of(objective.prox_anchor), objective.prox_mu, copy_of(objective.trainable),
+                          objective.clip_norm)
+        graph = cuda_graphs.capture(lambda: lockstep_step(loss, static, x, y, m, hp, fixed))
+        return graph, static, x, y, m, fixed
+    if getattr(loss, "graphs", None) is None:
+        loss.graphs = cuda_graphs.GraphCache()
+    entry = loss.graphs.get(key, make)
+    if entry is None:
+        return False
+    graph, static, x, y, m, fixed = entry
+    static.vectors.copy_(s.vectors)
+    for mine, theirs in ((fixed.prox_anchor, objective.prox_anchor), (fixed.trainable, objective.trainable)):
+        if mine is not None:
+            mine.copy_(theirs)
+    for t in (static.velocity, static.loss_sum, static.steps):
+        if t is not None:
+            t.zero_()
     for t in range(idx.shape[0]):
-        grads, losses = loss(params, x_all[idx[t]], y_all[idx[t]], mask[t], buffers)
-        if objective.clip_norm > 0:  # each client's own norm
-            grads = grads * clip_coefficient(grads.norm(dim=1, keepdim=True), objective.clip_norm)
-        if hp.weight_decay > 0:
-            grads = grads + hp.weight_decay * params
-        if objective.prox_anchor is not None and objective.prox_mu > 0:
-            grads = grads + objective.prox_mu * (params - objective.prox_anchor[..., : params.shape[-1]])
-        if objective.trainable is not None:
-            grads = grads * objective.trainable
-        active = (mask[t].sum(1) > 0).to(params.dtype)[:, None]
-        if velocity is not None:
-            velocity = torch.where(active > 0, hp.momentum * velocity + grads, velocity)
-            grads = velocity
-        params -= hp.lr * active * grads
-        loss_sum += active[:, 0] * losses
-        steps += active[:, 0]
-    return vectors, loss_sum / steps.clamp_min(1.0)
+        rows = idx[t].flatten()
+        torch.index_select(x_all, 0, rows, out=x.view(c * b, *x_all.shape[1:]))
+        torch.index_select(y_all, 0, rows, out=y.view(c * b))
+        m.copy_(mask[t])
+        graph.replay()
+    s.vectors.copy_(static.vectors)
+    s.loss_sum.copy_(static.loss_sum)
+    s.steps.copy_(static.steps)
+    return True
 
 
 def replicas(model: FlatModel, n: int) -> list[FlatModel]:
@@ -366,14 +437,18 @@ class Cohort:
         """Lockstep training for the small dense models (MLR, DNN): one client's step is too small to keep the
         cores busy, and batched products make it one step for all; not for fewer than LOCKSTEP_MIN_CLIENTS clients,
         where the one-by-one path is as fast (measured). The CNNs have a lockstep path too (grouped convolutions,
-        models/many.py), taken only when forced (`lockstep=True`): on 2 CPU cores it measured no faster than their
+        models/many.py), on a CPU taken only when forced (`lockstep=True`): on 2 cores it measured no faster than their
         clients side by side (benchmarks/bench_cnn_clients.py, two runs: 1.28-1.36 / 0.94-1.08x a bare loop for the
         CNN / the CNN with BatchNorm, against 1.52-1.77 / 1.26-1.35x side by side; LeNet-5 a wash over five runs,
-        README Speed); on a GPU it is unmeasured."""
+        README Speed). On a GPU every model's clients train in lockstep: one client's small kernels leave it idle
+        (a bare loop 11-12 % busy on an H200), the ten clients' step as one CUDA graph replay ran 19-27x the bare
+        loop (benchmarks/bench_gpu.py, README "On a GPU")."""
         if not hasattr(self.model.module, "forward_many"):
             return False
         if self.force is not None:
             return self.force
+        if self.model.device.type == "cuda":
+            return True
         dense = all(p.dim() <= 2 for p in self.model.module.parameters())
         return dense and len(self.cids) >= LOCKSTEP_MIN_CLIENTS
 
@@ -382,6 +457,8 @@ class Cohort:
         (not for epochs over heavy-tailed client sizes, where one big client would keep the others waiting)."""
         if self.force is not None:
             return self.force
+        if self.data.device.type == "cuda":  # a graphed step of ten clients costs less than one client's eager step
+            return True  # (~1 against 2.3 ms, H200, bench_gpu.py): it pays even where one stream is far the longest
         steps = self.planned_steps(hp)
         return steps.sum() >= 0.5 * len(steps) * steps.max()
 
@@ -412,11 +489,13 @@ class Cohort:
         placement = self.placement() if self.may_fork() else None
         forked = placement is not None and placement.fork()
         began = time.perf_counter()
-        new = processes.shared_empty if forked else torch.empty  # forked children write into shared memory
         count = len(starts)
-        trained, losses = new(starts.shape, dtype=starts.dtype), new((count,), dtype=torch.float64)
-        # a child advances its copies of the generators: their states come back (FedRep trains twice on them)
-        gen_states = new((count, self.gens[0].get_state().numel()), dtype=torch.uint8) if forked else None
+        trained, losses, gen_states = torch.empty_like(starts), starts.new_empty(count, dtype=torch.float64), None
+        if forked:  # the children write into shared memory; a child advances its copies of the generators: their
+            # states come back (FedRep trains twice on them)
+            shared = processes.shared_empty
+            trained, losses = shared(starts.shape, dtype=starts.dtype), shared((count,), dtype=torch.float64)
+            gen_states = shared((count, self.gens[0].get_state().numel()), dtype=torch.uint8)
 
         def one(model: FlatModel, i: int) -> None:
             model.load(starts[i])
@@ -487,7 +566,7 @@ class GradientStream:
             grads, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask, self.buffers)
             return grads, losses.double()
         P = params.shape[1]
-        grads, losses = torch.zeros_like(params), torch.zeros(len(params), dtype=torch.float64)
+        grads, losses = torch.zeros_like(params), torch.zeros(len(params), dtype=torch.float64, device=params.device)
 
         def one(model: FlatModel, i: int) -> None:
             real = idx[i][mask[i] > 0]
@@ -519,7 +598,7 @@ class GradientStream:
             return g + g2, second_grad, losses.double()
         P = params.shape[1]
         grads, second_grads = torch.zeros_like(params), torch.zeros_like(second)
-        losses = torch.zeros(len(params), dtype=torch.float64)
+        losses = torch.zeros(len(params), dtype=torch.float64, device=params.device)
 
         def one(model: FlatModel, i: int) -> None:
             real = idx[i][mask[i] > 0]

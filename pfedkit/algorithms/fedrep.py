@@ -33,7 +33,7 @@ class FedRep(FedBN):
 
     def local_training(self, starts: torch.Tensor, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
         p, head = self.params, self.split.param_mask(self.split.personal)
-        trained, losses = starts, torch.zeros(len(starts), dtype=torch.float64)
+        trained, losses = starts, torch.zeros(len(starts), dtype=torch.float64, device=starts.device)
         for epochs, trainable in ((p.head_epochs, head), (p.body_epochs, 1.0 - head)):
             if epochs == 0:
                 continue

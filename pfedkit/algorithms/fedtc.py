@@ -61,7 +61,7 @@ class FedTC(FedBN):
         glob = self.starts(payloads, cstates)  # (E_g, C_g)
         stream = cohort.stream(cohort.hp, own[:, P:] if own.shape[1] > P else None)
         personal, shared_head = own[:, :P].clone(), glob[:, self.head_slice].clone()  # (E, C_i) and C_g
-        loss_sum, steps = torch.zeros(len(own), dtype=torch.float64), torch.zeros(len(own))
+        loss_sum, steps = torch.zeros(len(own), dtype=torch.float64, device=own.device), torch.zeros(len(own), device=own.device)
         for t in range(stream.steps):
             active = stream.active(t).to(own.dtype)[:, None]
             # E takes the sum of both classifiers' gradients, each classifier its own: one pass of E

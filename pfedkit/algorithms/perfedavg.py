@@ -74,9 +74,9 @@ class PerFedAvg(FedAvg):
         stream = cohort.stream([self.plan(cohort.hp, n) for n in cohort.num_samples],
                                sent[:, P:] if sent.shape[1] > P else None)
         theta = sent[:, :P].clone()
-        loss_sum = torch.zeros(len(sent), dtype=torch.float64)
+        loss_sum = torch.zeros(len(sent), dtype=torch.float64, device=sent.device)
         for s in range(max(steps)):
-            active = torch.tensor([s < n for n in steps])
+            active = torch.tensor([s < n for n in steps], device=sent.device)
             new, losses = self.meta_step(theta, cohort.hp.lr, stream.gradient, list(range(s * k, (s + 1) * k)))
             theta = torch.where(active[:, None], new, theta)  # a client whose steps are done stays put
             loss_sum += torch.where(active, losses, 0.0)

@@ -94,7 +94,7 @@ class PFedMe(Algorithm):
         theta, w_loc = sent[:, :P].clone(), sent[:, :P].clone()
         # buffers (BatchNorm statistics), if any, evolve per client during local training
         stream = cohort.stream(self.plan(cohort.hp), sent[:, P:] if sent.shape[1] > P else None)
-        loss_sum = torch.zeros(len(sent), dtype=torch.float64)
+        loss_sum = torch.zeros(len(sent), dtype=torch.float64, device=sent.device)
         step = self.params.eta * self.params.lamda
         for t in range(stream.steps):  # R mini-batches; every client's stream has R of them (steps plan)
             theta, losses = self.personal_steps(theta, w_loc, lambda th: stream.gradient(th, t))

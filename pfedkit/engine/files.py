@@ -35,7 +35,7 @@ def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
 
 
 RESUMABLE_KEYS = {"rounds", "progress", "plots", "threads", "device", "checkpoint_every",
-                  "local.workers", "local.workers_in"}  # may change on resume
+                  "local.workers", "local.workers_in", "local.cuda_graphs"}  # may change on resume
 
 
 def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -43,7 +43,9 @@ def batch_norm_many(params: dict[str, torch.Tensor], name: str, x: torch.Tensor,
     statistics of the client's real samples (mask (C, B), 0 for padding), and with `running` its running mean and
     (unbiased) variance updated in place as BatchNorm2d does, for the clients with at least one real sample."""
     clients = mask.shape[0]
-    per_channel = mask.t().repeat_interleave(x.shape[1] // clients, dim=1)  # (B, C x channels)
+    b, channels = mask.shape[1], x.shape[1] // clients
+    per_channel = mask.t().unsqueeze(2).expand(b, clients, channels).reshape(b, -1)  # (B, C x channels); not
+    # repeat_interleave, whose output size may be read back from the device (no CUDA graph capture then)
     out, mean, var, n = StackedBatchNorm.apply(x, params[f"{name}.weight"].flatten(), params[f"{name}.bias"].flatten(),
                                                per_channel, eps)
     if running:
