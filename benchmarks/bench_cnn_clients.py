@@ -15,6 +15,8 @@ Candidates:
                   (local.workers=0, local.workers_in=processes: pfedkit/processes.py), the models' C kernels in use
                   (models/native.py: ReLU + pooling, BatchNorm fused with them, the first convolution)
   engine-threads  the same with the clients in threads of this process (local.workers_in=threads: one GIL)
+  engine-autograd the engine with every step through autograd (a BN model with small convolutions, LeNet-5, takes
+                  its whole step as one C call by default: nets.CNN.training_step)
   engine-pytorch  the same on PyTorch's own kernels only (what the engine did before the C kernels)
   engine-1by1     the Cohort one client after another (local.workers=1, a Flower ClientApp's way); both rows hold a
                   BN-free model's conv weights channels_last (models/layers.py), a BN model's in the standard
@@ -162,9 +164,20 @@ class HandBN(torch.nn.Module):
 
 
 @contextlib.contextmanager
+def autograd_steps():
+    """No whole-step C call (nets.CNN.training_step returns None): the autograd step, with its C kernels."""
+    kept = nets.STEP_MAX_CHANNELS
+    nets.STEP_MAX_CHANNELS = 0
+    try:
+        yield
+    finally:
+        nets.STEP_MAX_CHANNELS = kept
+
+
+@contextlib.contextmanager
 def without_kernels():
     """pfedkit's models on PyTorch's own kernels (none of models/native.py's) while the candidate runs."""
-    names = ("covers", "covers_batch_norm", "covers_first_conv")
+    names = ("covers", "covers_batch_norm", "covers_first_conv", "covers_cnn_step")
     kept = [getattr(nets.native, name) for name in names]
     for name in names:
         setattr(nets.native, name, lambda *args: False)
@@ -250,6 +263,7 @@ def main() -> None:
             "bare-1thread": (lambda: threads(1), plain),
             "engine": (None, engine(cfg, data, 0)),
             "engine-threads": (None, engine(cfg, data, 0, workers_in="threads")),
+            "engine-autograd": (autograd_steps, engine(cfg, data, 0)),
             "engine-1by1": (None, engine(cfg, data, 1)),
             "engine-lockstep": (None, engine(cfg, data, 0, lockstep=True)),
             "channels_last": (None, lambda: bare(net, work, lr, memory_format=torch.channels_last)),

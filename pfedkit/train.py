@@ -88,13 +88,20 @@ def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generato
     anchor = objective.prox_anchor[model.param_slice] if objective.prox_anchor is not None else None
     trainable = objective.trainable
     module.train()
+    # a whole step in one C call where the model has one for these batches (nets.CNN.training_step)
+    fused = module.training_step(data.x_train[:1]) if hasattr(module, "training_step") else None
     loss_sum = torch.zeros((), device=params.device)
     steps = 0
     for idx in batch_indices(data.num_train, plan or hp, gen, params.device):
-        grad.zero_()
         # index_select: the same rows as x[idx], 3x faster for a batch of images (no advanced-indexing setup)
-        loss = F.cross_entropy(module(data.x_train.index_select(0, idx)), data.y_train.index_select(0, idx))
-        loss.backward()
+        x, y = data.x_train.index_select(0, idx), data.y_train.index_select(0, idx)
+        if fused is not None:
+            loss = fused(x, y)  # the gradient written into `grad`
+        else:
+            grad.zero_()
+            loss = F.cross_entropy(module(x), y)
+            loss.backward()
+            loss = loss.detach()
         if objective.clip_norm > 0:
             grad.mul_(clip_coefficient(grad.norm(), objective.clip_norm))
         if hp.weight_decay > 0:
@@ -108,7 +115,7 @@ def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generato
             params.add_(velocity, alpha=-hp.lr)
         else:
             params.add_(grad, alpha=-hp.lr)
-        loss_sum += loss.detach()
+        loss_sum += loss
         steps += 1
     return float(loss_sum) / max(steps, 1)
 

@@ -387,3 +387,106 @@ def test_the_library_is_built_once_per_machine_and_reused(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
     assert list((cache / "native").glob("*")) == built and built[0].stat().st_mtime_ns == stamp
+
+
+# ---- the whole training step in C (native.CNNStep, kernels.c cnn_bn_step) ------------------------------------------
+
+def step_batch(batch: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(batch, 1, 28, 28, generator=gen, dtype=dtype)
+    x[:, :, :6] = 0  # MNIST-like empty rows: constant windows, ties in the pooling
+    return x, torch.arange(batch) % 10
+
+
+@pytest.mark.parametrize("name", ["lenet5", "cnn_bn"])
+@pytest.mark.parametrize("batch", [32, 7])
+def test_the_c_training_step_equals_pytorch_in_float64(name, batch):
+    """One step: the mean cross-entropy, every parameter's gradient and the updated running statistics against
+    PyTorch's own ops (conv2d, BatchNorm2d, max_pool2d, linear, cross_entropy; `Plain`) in float64. A batch of 7 is
+    a short last batch (the workspace made for 32 is reused)."""
+    net = build_model(ModelConfig(name), (1, 28, 28), 10, 0).double()
+    ref = Plain(copy.deepcopy(net))
+    model = FlatModel(net)
+    model.module.train()
+    step = native.cnn_step(model.module, step_batch(1, torch.float64)[0])
+    assert step is not None, native.why_not
+    step(*step_batch(32, torch.float64, seed=1))  # a first step of 32 (its workspace); then the step under test
+    ref.train()
+    F.cross_entropy(ref(step_batch(32, torch.float64, seed=1)[0]), step_batch(32, torch.float64, seed=1)[1])
+    model.grad.fill_(123.0)  # overwritten, not added to
+    x, y = step_batch(batch, torch.float64)
+    loss = step(x, y)
+    expected = F.cross_entropy(ref(x), y)
+    expected.backward()
+    assert abs(loss - float(expected.detach())) < 1e-12
+    got = {n: p.grad for n, p in model.module.named_parameters()}
+    for name_, p in ref.cnn.named_parameters():
+        torch.testing.assert_close(got[name_], p.grad, rtol=0, atol=1e-12, msg=name_)
+    for name_, b in ref.cnn.named_buffers():
+        if b.dtype == torch.float64:
+            torch.testing.assert_close(dict(model.module.named_buffers())[name_], b, rtol=0, atol=1e-12, msg=name_)
+
+
+def test_the_c_training_step_in_float32_is_as_near_float64_as_pytorch():
+    net = build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0)
+    exact = Plain(copy.deepcopy(net).double())
+    plain32 = Plain(copy.deepcopy(net))
+    model = FlatModel(net)
+    model.module.train()
+    x, y = step_batch(32, torch.float32)
+    native.cnn_step(model.module, x)(x, y)
+    for ref, xs in ((exact, x.double()), (plain32, x)):
+        ref.train()
+        F.cross_entropy(ref(xs), y).backward()
+    want = torch.cat([p.grad.flatten() for p in exact.cnn.parameters()])
+    theirs = torch.cat([p.grad.flatten() for p in plain32.cnn.parameters()]).double()
+    ours = torch.cat([p.grad.flatten() for p in model.module.parameters()]).double()
+    scale = want.abs().max()
+    assert (ours - want).abs().max() / scale <= max(2 * (theirs - want).abs().max() / scale, 1e-6)
+
+
+def test_sgd_takes_the_c_step_for_lenet5_and_trains_as_a_plain_loop():
+    """train.sgd on FL-bench's LeNet-5 (float64, momentum, a short last batch) goes through the C step and ends
+    where torch.optim.SGD over the same batches does."""
+    from pfedkit.config import LocalConfig
+    from pfedkit.data.federated import ClientData
+    from pfedkit.train import batch_indices, sgd
+
+    net = build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0).double()
+    ref = Plain(copy.deepcopy(net))
+    model = FlatModel(net)
+    x, y = step_batch(45, torch.float64)  # batches of 16: 16, 16, 13
+    client = ClientData(x, y, x[:0], y[:0])
+    hp = LocalConfig(epochs=2, batch_size=16, lr=0.1, momentum=0.5)
+    sgd(model, client, hp, torch.Generator().manual_seed(3))
+    assert model.module in native.STEPS  # the C step ran
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    ref.train()
+    for idx in batch_indices(45, hp, torch.Generator().manual_seed(3), torch.device("cpu")):
+        opt.zero_grad()
+        F.cross_entropy(ref(x[idx]), y[idx]).backward()
+        opt.step()
+    got = model.module.state_dict()
+    for key, want in ref.cnn.state_dict().items():
+        if key in got:  # not num_batches_tracked, which FlatModel drops
+            torch.testing.assert_close(got[key], want, rtol=0, atol=1e-11, msg=key)
+
+
+def test_the_c_step_is_not_taken_where_it_does_not_cover_or_pay():
+    lenet = FlatModel(build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0))
+    x = torch.zeros(1, 1, 28, 28)
+    assert lenet.module.training_step(x) is not None
+    assert FlatModel(build_model(ModelConfig("cnn_bn"), (1, 28, 28), 10, 0)).module.training_step(x) is not None
+    assert FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)).module.training_step(x) is None  # no BN
+    assert FlatModel(build_model(ModelConfig("lenet5"), (1, 32, 32), 10, 0)).module.training_step(
+        torch.zeros(1, 1, 32, 32)) is None  # conv2's kernels are for 28x28 images
+    assert lenet.module.training_step(x.double()) is None  # another dtype than the parameters'
+    lenet.module.eval()
+    assert lenet.module.training_step(x) is None
+    lenet.module.train()
+    handle = lenet.module.fc2.register_forward_hook(lambda *args: None)
+    assert lenet.module.training_step(x) is None  # the step would skip the hook
+    handle.remove()
+    step = lenet.module.training_step(x)
+    with pytest.raises(IndexError, match=r"labels must lie in \[0, 10\)"):
+        step(torch.zeros(4, 1, 28, 28), torch.tensor([0, 3, 10, 1]))

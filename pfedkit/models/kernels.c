@@ -470,3 +470,255 @@ int wide_vectors_native(void) {
     return 0;
 #endif
 }
+
+/* A whole training step of the BatchNorm CNNs on one-channel images (nets.CNN with batch_norm: FL-bench's LeNet-5,
+ * the CNN + BN): conv1 -> BN -> ReLU -> pool -> conv2 -> BN -> ReLU -> pool -> fc1 -> ReLU -> fc2 -> ReLU -> fc3,
+ * the mean cross-entropy and every parameter's gradient, in one call. A LeNet-5 step of 32 images is ~9 M
+ * multiply-adds forward, about half a millisecond of one core's arithmetic for the whole step, while PyTorch's
+ * autograd step took ~2 ms: dispatch, autograd's graph and oneDNN's fixed costs, not arithmetic. The first block
+ * and both BatchNorms are the kernels above (so the same arithmetic as the autograd path); conv2 and the linear
+ * layers are plain loops over an output row (the compiler vectorizes them), the dot products of the linear layers'
+ * forward pass in vectors of LANES. Sums run in T, as PyTorch's float kernels do, except the cross-entropy, in
+ * double. p: the parameters and running statistics, g: the parameters' gradients (overwritten), ws: workspace
+ * (native.CNNStep: sizes there), hyper: BN1's momentum and eps, BN2's. */
+/* Lanes picked from a vector into a narrower one: clang and GCC >= 12 have __builtin_shufflevector; older GCC
+ * builds the narrower vector lane by lane (the same values) */
+#if !defined(PFEDKIT_PORTABLE_SHUFFLE) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) ({ const int picks_[] = {__VA_ARGS__};                                           \
+    enum { n_ = sizeof picks_ / sizeof picks_[0] };                                                         \
+    typedef __typeof__((a)[0]) lane_t_;                                                                     \
+    typedef lane_t_ out_t_ __attribute__((vector_size(n_ * sizeof(lane_t_))));                              \
+    out_t_ out_;                                                                                            \
+    for (int k_ = 0; k_ < n_; k_++) out_[k_] = (a)[picks_[k_]];                                             \
+    out_; })
+#endif
+
+#define STEP(T, SUF, LANES)                                                                                 \
+typedef T r4_##SUF __attribute__((vector_size(4 * sizeof(T))));                                            \
+typedef T r8_##SUF __attribute__((vector_size(8 * sizeof(T))));   /* a conv2 output row (8 wide) */        \
+typedef T r16_##SUF __attribute__((vector_size(16 * sizeof(T))));  /* two output rows; an input row (12) */ \
+/* unaligned access through these types: no accumulator's address is taken, so they stay in registers */  \
+typedef T r4u_##SUF __attribute__((vector_size(4 * sizeof(T)), aligned(sizeof(T))));                       \
+typedef T r8u_##SUF __attribute__((vector_size(8 * sizeof(T)), aligned(sizeof(T))));                       \
+typedef T r16u_##SUF __attribute__((vector_size(16 * sizeof(T)), aligned(sizeof(T))));                     \
+static inline r16_##SUF ld16_##SUF(const T *p) { return *(const r16u_##SUF *)p; }                          \
+static inline r8_##SUF low8_##SUF(r16_##SUF v) { return SHUFFLE(v, v, 0, 1, 2, 3, 4, 5, 6, 7); } \
+static inline r8_##SUF high8_##SUF(r16_##SUF v) {                                                           \
+    return SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15);                                     \
+}                                                                                                           \
+/* the sum of a 16-wide vector's lanes as a tree of vector halves */                                        \
+static inline T hsum16_##SUF(r16_##SUF v) {                                                                 \
+    r8_##SUF h = low8_##SUF(v) + high8_##SUF(v);                                                            \
+    r4_##SUF q = SHUFFLE(h, h, 0, 1, 2, 3) + SHUFFLE(h, h, 4, 5, 6, 7);     \
+    return (q[0] + q[2]) + (q[1] + q[3]);                                                                   \
+}                                                                                                           \
+/* conv2 reads its 12x12 input planes through `shifted` copies: for each column offset q (0..4) the plane's 12  \
+ * rows cut to columns q..q+7, 8 wide, so that two consecutive rows are one 16-wide vector (two output rows) */ \
+static void shift_rows_##SUF(const T *x, T *shifted, int64_t planes) {                                      \
+    for (int64_t k = 0; k < planes; k++)                                                                    \
+        for (int q = 0; q < 5; q++)                                                                         \
+            for (int r = 0; r < 12; r++) memcpy(shifted + ((k * 5 + q) * 12 + r) * 8, x + k * 144 + r * 12 + q, 8 * sizeof(T)); \
+}                                                                                                           \
+/* conv2 of one image for one output channel: 8x8 outputs, two rows a vector; xs: the image's shifted planes */ \
+static void conv2_image_##SUF(const T *xs, const T *wt, T bias, T *y, int64_t c1) {                         \
+    r16_##SUF a0 = bias - (r16_##SUF){0}, a1 = a0, a2 = a0, a3 = a0;                                        \
+    for (int64_t i = 0; i < c1; i++)                                                                        \
+        _Pragma("GCC unroll 5") for (int p = 0; p < 5; p++)                                                 \
+        _Pragma("GCC unroll 5") for (int q = 0; q < 5; q++) {                                               \
+            T wv = wt[(i * 5 + p) * 5 + q];                                                                 \
+            const T *xi = xs + ((i * 5 + q) * 12 + p) * 8;                                                  \
+            a0 += wv * ld16_##SUF(xi); a1 += wv * ld16_##SUF(xi + 16);                                      \
+            a2 += wv * ld16_##SUF(xi + 32); a3 += wv * ld16_##SUF(xi + 48);                                 \
+        }                                                                                                   \
+    *(r16u_##SUF *)y = a0; *(r16u_##SUF *)(y + 16) = a1; *(r16u_##SUF *)(y + 32) = a2; *(r16u_##SUF *)(y + 48) = a3; \
+}                                                                                                           \
+/* conv2's input gradient for one image and input channel: dx (12x12) rows in registers, 16 wide (12 kept);  \
+ * dx[r + p][x] += w[p][q] dy[r][x - q], the dy rows read from 16-wide copies shifted right by q (zeros     \
+ * around: dyq[q][o][r]), so that every load is aligned */                                                  \
+static void conv2_input_grad_##SUF(const T *dyq, const T *wt, T *dx, int64_t c1, int64_t c2, int64_t i) {   \
+    r16_##SUF acc[12];                                                                                      \
+    _Pragma("GCC unroll 12") for (int y = 0; y < 12; y++) acc[y] = (r16_##SUF){0};                          \
+    for (int64_t o = 0; o < c2; o++)                                                                        \
+        _Pragma("GCC unroll 5") for (int p = 0; p < 5; p++)                                                 \
+        for (int q = 0; q < 5; q++) {                                                                       \
+            T wv = wt[((o * c1 + i) * 5 + p) * 5 + q];                                                      \
+            const T *d = dyq + (q * c2 + o) * 128;                                                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) acc[r + p] += wv * ld16_##SUF(d + r * 16);  \
+        }                                                                                                   \
+    _Pragma("GCC unroll 12") for (int y = 0; y < 12; y++) {                                                 \
+        *(r8u_##SUF *)(dx + y * 12) = low8_##SUF(acc[y]);                                                   \
+        r8_##SUF h = high8_##SUF(acc[y]);                                                                   \
+        *(r4u_##SUF *)(dx + y * 12 + 8) = SHUFFLE(h, h, 0, 1, 2, 3);                        \
+    }                                                                                                       \
+}                                                                                                           \
+/* conv2's weight and bias gradients, summed over the batch: 25 tap accumulators per (o, i), two output rows \
+ * a vector */                                                                                              \
+static void conv2_weight_grad_##SUF(const T *xs, const T *dy, T *dw, T *db, int64_t n, int64_t c1, int64_t c2) { \
+    for (int64_t o = 0; o < c2; o++) {                                                                      \
+        r16_##SUF sb = {0};                                                                                 \
+        for (int64_t b = 0; b < n; b++)                                                                     \
+            for (int r = 0; r < 4; r++) sb += ld16_##SUF(dy + (b * c2 + o) * 64 + r * 16);                  \
+        db[o] = hsum16_##SUF(sb);                                                                           \
+        for (int64_t i = 0; i < c1; i++) {                                                                  \
+            r16_##SUF acc[25];                                                                              \
+            _Pragma("GCC unroll 25") for (int t = 0; t < 25; t++) acc[t] = (r16_##SUF){0};                  \
+            for (int64_t b = 0; b < n; b++) {                                                               \
+                const T *d = dy + (b * c2 + o) * 64, *xi = xs + (b * c1 + i) * 480;                         \
+                for (int r = 0; r < 4; r++) {                                                               \
+                    r16_##SUF dr = ld16_##SUF(d + r * 16);                                                  \
+                    _Pragma("GCC unroll 5") for (int p = 0; p < 5; p++)                                     \
+                    _Pragma("GCC unroll 5") for (int q = 0; q < 5; q++)                                     \
+                        acc[p * 5 + q] += dr * ld16_##SUF(xi + (q * 12 + p) * 8 + r * 16);                  \
+                }                                                                                           \
+            }                                                                                               \
+            _Pragma("GCC unroll 25") for (int t = 0; t < 25; t++)                                           \
+                dw[(o * c1 + i) * 25 + t] = hsum16_##SUF(acc[t]);                                           \
+        }                                                                                                   \
+    }                                                                                                       \
+}                                                                                                           \
+static inline T dot_##SUF(const T *a, const T *b, int64_t len) {                                            \
+    vec_##SUF s0 = {0}, s1 = {0};                                                                           \
+    int64_t k = 0;                                                                                          \
+    for (; k + 2 * LANES <= len; k += 2 * LANES) {                                                          \
+        s0 += load_##SUF(a + k) * load_##SUF(b + k);                                                        \
+        s1 += load_##SUF(a + k + LANES) * load_##SUF(b + k + LANES);                                        \
+    }                                                                                                       \
+    for (; k + LANES <= len; k += LANES) s0 += load_##SUF(a + k) * load_##SUF(b + k);                       \
+    s0 += s1;                                                                                               \
+    T s = 0;                                                                                                \
+    for (int l = 0; l < LANES; l++) s += s0[l];                                                             \
+    for (; k < len; k++) s += a[k] * b[k];                                                                  \
+    return s;                                                                                               \
+}                                                                                                           \
+/* y (n, out) = x (n, in) W^T + b, with ReLU where relu; four outputs at a time share the loads of x */     \
+static void linear_##SUF(const T *x, const T *w, const T *bias, T *y, int64_t n, int64_t in, int64_t out, int relu) { \
+    for (int64_t b = 0; b < n; b++) {                                                                       \
+        const T *xb = x + b * in;                                                                           \
+        int64_t j = 0;                                                                                      \
+        for (; j + 4 <= out; j += 4) {                                                                      \
+            const T *w0 = w + j * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;                          \
+            r16_##SUF s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                               \
+            int64_t k = 0;                                                                                  \
+            for (; k + 16 <= in; k += 16) {                                                                 \
+                r16_##SUF v = ld16_##SUF(xb + k);                                                           \
+                s0 += v * ld16_##SUF(w0 + k); s1 += v * ld16_##SUF(w1 + k);                                 \
+                s2 += v * ld16_##SUF(w2 + k); s3 += v * ld16_##SUF(w3 + k);                                 \
+            }                                                                                               \
+            T t[4] = {hsum16_##SUF(s0), hsum16_##SUF(s1), hsum16_##SUF(s2), hsum16_##SUF(s3)};                \
+            for (; k < in; k++) { T v = xb[k]; t[0] += v * w0[k]; t[1] += v * w1[k]; t[2] += v * w2[k]; t[3] += v * w3[k]; } \
+            for (int u = 0; u < 4; u++) {                                                                   \
+                T v = bias[j + u] + t[u];                                                                   \
+                y[b * out + j + u] = relu && !(v > 0) && v == v ? 0 : v;  /* torch.relu keeps NaN */        \
+            }                                                                                               \
+        }                                                                                                   \
+        for (; j < out; j++) {                                                                              \
+            T v = bias[j] + dot_##SUF(xb, w + j * in, in);                                                  \
+            y[b * out + j] = relu && !(v > 0) && v == v ? 0 : v;                                            \
+        }                                                                                                   \
+    }                                                                                                       \
+}                                                                                                           \
+/* row (len) = sum over m of a[m * a_step] * rows[m * row_step .. + len]: the row in registers, 4 vectors of \
+ * 16 at a time, so that each product is one load and one FMA */                                           \
+static void axpys_##SUF(const T *a, int64_t a_step, const T *rows, int64_t row_step, int64_t count, T *row,  \
+                        int64_t len) {                                                                      \
+    int64_t k = 0;                                                                                          \
+    for (; k + 64 <= len; k += 64) {                                                                        \
+        r16_##SUF s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                   \
+        for (int64_t m = 0; m < count; m++) {                                                               \
+            T c = a[m * a_step]; const T *r = rows + m * row_step + k;                                      \
+            s0 += c * ld16_##SUF(r); s1 += c * ld16_##SUF(r + 16);                                          \
+            s2 += c * ld16_##SUF(r + 32); s3 += c * ld16_##SUF(r + 48);                                     \
+        }                                                                                                   \
+        *(r16u_##SUF *)(row + k) = s0; *(r16u_##SUF *)(row + k + 16) = s1;                                  \
+        *(r16u_##SUF *)(row + k + 32) = s2; *(r16u_##SUF *)(row + k + 48) = s3;                             \
+    }                                                                                                       \
+    for (; k + 16 <= len; k += 16) {                                                                        \
+        r16_##SUF s0 = {0};                                                                                 \
+        for (int64_t m = 0; m < count; m++) s0 += a[m * a_step] * ld16_##SUF(rows + m * row_step + k);      \
+        *(r16u_##SUF *)(row + k) = s0;                                                                      \
+    }                                                                                                       \
+    for (; k + 8 <= len; k += 8) {                                                                          \
+        r8_##SUF s0 = {0};                                                                                  \
+        for (int64_t m = 0; m < count; m++) s0 += a[m * a_step] * *(const r8u_##SUF *)(rows + m * row_step + k); \
+        *(r8u_##SUF *)(row + k) = s0;                                                                       \
+    }                                                                                                       \
+    for (; k < len; k++) {                                                                                  \
+        T s = 0;                                                                                            \
+        for (int64_t m = 0; m < count; m++) s += a[m * a_step] * rows[m * row_step + k];                    \
+        row[k] = s;                                                                                         \
+    }                                                                                                       \
+}                                                                                                           \
+/* dW = dy^T x, db = sum dy, and dx = dy W: each output row summed in registers, 4 vectors of it at a time */ \
+static void linear_back_##SUF(const T *x, const T *w, const T *dy, T *dw, T *db, T *dx, int64_t n,          \
+                              int64_t in, int64_t out) {                                                    \
+    for (int64_t j = 0; j < out; j++) {                                                                     \
+        T s = 0;                                                                                            \
+        for (int64_t b = 0; b < n; b++) s += dy[b * out + j];                                               \
+        db[j] = s;                                                                                          \
+        axpys_##SUF(dy + j, out, x, in, n, dw + j * in, in);                                                \
+    }                                                                                                       \
+    for (int64_t b = 0; b < n; b++) axpys_##SUF(dy + b * out, 1, w, in, out, dx + b * in, in);              \
+}                                                                                                           \
+/* ReLU's gradient through its output h: dy where h > 0 or h is NaN */                                     \
+static void relu_back_##SUF(const T *h, T *dy, int64_t len) {                                               \
+    for (int64_t k = 0; k < len; k++) dy[k] = (h[k] > 0 || h[k] != h[k]) ? dy[k] : 0;                       \
+}                                                                                                           \
+void cnn_bn_step_##SUF(const T *x, const int64_t *labels, T **p, T **g, void **ws, const double *hyper,     \
+                       int64_t n, int64_t side, int64_t c1, int64_t c2, int64_t f1, int64_t f2, int64_t k,  \
+                       double *loss) {                                                                      \
+    int64_t s1 = side - 4, q1 = s1 / 2, s2 = q1 - 4, q2 = s2 / 2, feat = c2 * q2 * q2;                     \
+    T *y1 = ws[0], *p1 = ws[1], *taken1 = ws[3], *y2 = ws[6], *p2 = ws[7], *taken2 = ws[9];               \
+    uint8_t *code1 = ws[2], *code2 = ws[8];                                                                 \
+    double *mean1 = ws[4], *invstd1 = ws[5], *mean2 = ws[10], *invstd2 = ws[11];                          \
+    T *h1 = ws[12], *h2 = ws[13], *logits = ws[14], *dl = ws[15], *dh2 = ws[16], *dh1 = ws[17];            \
+    T *df = ws[18], *dy2 = ws[19], *dp1 = ws[20], *dy1 = ws[21], *dypad = ws[22];  /* dypad: zeroed */      \
+    T *xs = ws[23];                                                                                         \
+    /* forward */                                                                                           \
+    conv1_##SUF(x, p[0], p[1], y1, n, side, side, c1);                                                      \
+    bn_relu_pool_##SUF(y1, p[2], p[3], p[14], p[15], hyper[0], hyper[1], p1, code1, taken1, mean1, invstd1, \
+                       n, c1, s1, s1);                                                                      \
+    shift_rows_##SUF(p1, xs, n * c1);                                                                       \
+    for (int64_t b = 0; b < n; b++)                                                                         \
+        for (int64_t o = 0; o < c2; o++)                                                                    \
+            conv2_image_##SUF(xs + b * c1 * 480, p[4] + o * c1 * 25, p[5][o], y2 + (b * c2 + o) * 64, c1);  \
+    bn_relu_pool_##SUF(y2, p[6], p[7], p[16], p[17], hyper[2], hyper[3], p2, code2, taken2, mean2, invstd2, \
+                       n, c2, s2, s2);                                                                      \
+    linear_##SUF(p2, p[8], p[9], h1, n, feat, f1, 1);                                                       \
+    linear_##SUF(h1, p[10], p[11], h2, n, f1, f2, 1);                                                       \
+    linear_##SUF(h2, p[12], p[13], logits, n, f2, k, 0);                                                    \
+    /* mean cross-entropy and its gradient (softmax - one-hot) / n */                                       \
+    double total = 0;                                                                                       \
+    for (int64_t b = 0; b < n; b++) {                                                                       \
+        const T *l = logits + b * k;                                                                        \
+        double m = l[0], s = 0;                                                                             \
+        for (int64_t j = 1; j < k; j++) m = l[j] > m ? l[j] : m;                                            \
+        for (int64_t j = 0; j < k; j++) s += exp((double)l[j] - m);                                         \
+        total += m + log(s) - l[labels[b]];                                                                 \
+        for (int64_t j = 0; j < k; j++)                                                                     \
+            dl[b * k + j] = (T)((exp((double)l[j] - m) / s - (j == labels[b])) / n);                        \
+    }                                                                                                       \
+    *loss = total / n;                                                                                      \
+    /* backward */                                                                                          \
+    linear_back_##SUF(h2, p[12], dl, g[12], g[13], dh2, n, f2, k);                                          \
+    relu_back_##SUF(h2, dh2, n * f2);                                                                       \
+    linear_back_##SUF(h1, p[10], dh2, g[10], g[11], dh1, n, f1, f2);                                        \
+    relu_back_##SUF(h1, dh1, n * f1);                                                                       \
+    linear_back_##SUF(p2, p[8], dh1, g[8], g[9], df, n, feat, f1);                                          \
+    bn_relu_pool_backward_##SUF(df, code2, taken2, y2, p[6], mean2, invstd2, dy2, g[6], g[7], n, c2, s2, s2); \
+    conv2_weight_grad_##SUF(xs, dy2, g[4], g[5], n, c1, c2);                                                \
+    for (int64_t b = 0; b < n; b++) {                                                                       \
+        for (int q = 0; q < 5; q++)  /* this image's dy rows shifted right by q in zeroed 16-wide rows */    \
+            for (int64_t o = 0; o < c2; o++)                                                                \
+                for (int r = 0; r < 8; r++)                                                                 \
+                    memcpy(dypad + ((q * c2 + o) * 8 + r) * 16 + q, dy2 + ((b * c2 + o) * 8 + r) * 8, 8 * sizeof(T)); \
+        for (int64_t i = 0; i < c1; i++)                                                                    \
+            conv2_input_grad_##SUF(dypad, p[4], dp1 + (b * c1 + i) * 144, c1, c2, i);                       \
+    }                                                                                                       \
+    bn_relu_pool_backward_##SUF(dp1, code1, taken1, y1, p[2], mean1, invstd1, dy1, g[2], g[3], n, c1, s1, s1); \
+    conv1_weight_grad_##SUF(x, dy1, g[0], g[1], n, side, side, c1);                                         \
+}
+
+STEP(float, f32, 8)
+STEP(double, f64, 4)

@@ -1,7 +1,7 @@
 """Fused CPU kernels in C (kernels.c), compiled once per machine with the host's C compiler and called through
 ctypes: ReLU + 2x2 max pooling, training-mode BatchNorm + ReLU + pooling, the 5x5 convolution of one-channel
 images, and that convolution fused with ReLU + pooling in channels_last (the BN-free CNN's first block), the hot
-spots of a small CNN's training step on a CPU.
+spots of a small CNN's training step on a CPU; and the BatchNorm CNNs' whole training step in one call (CNNStep).
 
 The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, under
 a torch.func transform (grad, vmap: the kernels are autograd Functions of raw pointers), or with PFEDKIT_NATIVE=0
@@ -24,6 +24,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ except ImportError:  # a torch without torch.func
         return None
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -50,6 +51,7 @@ SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "conv1_weight_grad": [_P] * 4 + [_I] * 4,
     "conv1_relu_pool_nhwc": [_P] * 5 + [_I] * 4,
     "conv1_relu_pool_nhwc_backward": [_P] * 5 + [_I] * 4,
+    "cnn_bn_step": [_P] * 6 + [_I] * 7 + [_P],
 }
 LANES = {torch.float32: 8, torch.float64: 4}  # the kernels' vector width (kernels.c: 32 bytes)
 # the first block's wide variant (64 bytes), taken where the CPU has 512-bit registers and the channels fill them
@@ -93,7 +95,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=120)
         if done.returncode != 0:
             said = done.stderr.strip().splitlines()
             raise OSError(f"{cc} failed: {said[-1] if said else done.returncode}")
@@ -300,3 +303,121 @@ def batch_norm_relu_pool(x: torch.Tensor, bn: torch.nn.BatchNorm2d) -> torch.Ten
     if bn.num_batches_tracked is not None:  # pfedkit's FlatModel drops it; a plain module counts as BatchNorm2d does
         bn.num_batches_tracked.add_(1)
     return _BatchNormReluPool.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.momentum, bn.eps)
+
+
+STEP_PARAMS = ("conv1.weight", "conv1.bias", "bn1.weight", "bn1.bias", "conv2.weight", "conv2.bias", "bn2.weight",
+               "bn2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias")
+STEP_BUFFERS = ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var")
+
+
+def covers_cnn_step(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether `CNNStep` takes a training step of `module` on images like x: a BatchNorm CNN (nets.CNN's layers:
+    conv1 -> bn1 -> conv2 -> bn2 -> fc1..3) in training mode, on 28x28 one-channel images the first
+    convolution's kernel takes (`covers_first_conv`), both BatchNorms as `covers_batch_norm` asks, conv2 5x5 with
+    bias, stride 1, no padding, every parameter contiguous in x's dtype on the CPU with a contiguous gradient
+    tensor, and no hooks (the step would skip them)."""
+    names = dict(module.named_modules())
+    if not (module.training and all(n in names for n in ("conv1", "bn1", "conv2", "bn2", "fc1", "fc2", "fc3"))
+            and x.dim() == 4 and x.shape[2] == x.shape[3] and covers_first_conv(x, names["conv1"])):
+        return False
+    bn1, bn2, conv2 = names["bn1"], names["bn2"], names["conv2"]
+    if x.shape[2] != 28:  # conv2's kernels are written for its 12x12 inputs and 8x8 outputs
+        return False
+    features = conv2.out_channels * 16 if isinstance(conv2, torch.nn.Conv2d) else -1
+    layers_fit = (isinstance(conv2, torch.nn.Conv2d) and conv2.in_channels == names["conv1"].out_channels
+                  and conv2.kernel_size == (5, 5) and conv2.stride == (1, 1) and conv2.padding == (0, 0)
+                  and conv2.dilation == (1, 1) and conv2.groups == 1 and conv2.bias is not None
+                  and all(isinstance(bn, torch.nn.BatchNorm2d) and bn.training and bn.affine
+                          and bn.track_running_stats and bn.momentum is not None for bn in (bn1, bn2))
+                  and all(isinstance(names[f], torch.nn.Linear) and names[f].bias is not None
+                          for f in ("fc1", "fc2", "fc3"))
+                  and names["fc1"].in_features == features
+                  and names["fc2"].in_features == names["fc1"].out_features
+                  and names["fc3"].in_features == names["fc2"].out_features)
+    if not layers_fit or any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                             for m in module.modules()):
+        return False
+    params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+    return (set(params) == set(STEP_PARAMS)
+            and all(t.dtype == x.dtype and t.device.type == "cpu" and t.is_contiguous()
+                    for t in [*params.values(), *(buffers[b] for b in STEP_BUFFERS)])
+            and all(p.grad is not None and p.grad.is_contiguous() and p.grad.dtype == x.dtype for p in params.values()))
+
+
+class CNNStep:
+    """A BatchNorm CNN's whole training step (forward, mean cross-entropy, every gradient, BatchNorm's running
+    statistics) as one C call (kernels.c `cnn_bn_step`), for a module `covers_cnn_step` takes: no autograd graph and
+    no per-op dispatch. The gradients are written into the parameters' .grad tensors (a FlatModel's flat gradient),
+    replacing what was there. Its workspace is allocated once and grows with the largest batch."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
+        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+        pointers = [params[n].data_ptr() for n in STEP_PARAMS] + [buffers[n].data_ptr() for n in STEP_BUFFERS]
+        self.key = tuple(pointers + [params[n].grad.data_ptr() for n in STEP_PARAMS])
+        self.params = (ctypes.c_void_p * len(pointers))(*pointers)
+        self.grads = (ctypes.c_void_p * len(STEP_PARAMS))(*[params[n].grad.data_ptr() for n in STEP_PARAMS])
+        m = dict(module.named_modules())
+        self.hyper = torch.tensor([m["bn1"].momentum, m["bn1"].eps, m["bn2"].momentum, m["bn2"].eps],
+                                  dtype=torch.float64)
+        self.sizes = (m["conv1"].out_channels, m["conv2"].out_channels, m["fc1"].out_features,
+                      m["fc2"].out_features, m["fc3"].out_features)
+        self.bns = (m["bn1"], m["bn2"])
+        self.capacity, self.side = 0, 0
+
+    def still_valid(self, module: torch.nn.Module) -> bool:
+        """The tensors it points to are still the module's (not moved or replaced)."""
+        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+        return self.key == tuple([params[n].data_ptr() for n in STEP_PARAMS]
+                                 + [buffers[n].data_ptr() for n in STEP_BUFFERS]
+                                 + [params[n].grad.data_ptr() if params[n].grad is not None else 0
+                                    for n in STEP_PARAMS])
+
+    def _workspace(self, n: int, side: int) -> None:
+        c1, c2, f1, f2, k = self.sizes
+        s1 = side - 4
+        q1, s2 = s1 // 2, s1 // 2 - 4
+        q2 = s2 // 2
+        t = lambda *shape: torch.empty(shape, dtype=self.dtype)  # noqa: E731
+        u8 = lambda *shape: torch.empty(shape, dtype=torch.uint8)  # noqa: E731
+        f64 = lambda *shape: torch.empty(shape, dtype=torch.float64)  # noqa: E731
+        self.buffers = [t(n, c1, s1, s1), t(n, c1, q1, q1), u8(n, c1, q1, q1), t(n, c1, q1, q1), f64(c1), f64(c1),
+                        t(n, c2, s2, s2), t(n, c2, q2, q2), u8(n, c2, q2, q2), t(n, c2, q2, q2), f64(c2), f64(c2),
+                        t(n, f1), t(n, f2), t(n, k), t(n, k), t(n, f2), t(n, f1), t(n, c2 * q2 * q2),
+                        t(n, c2, s2, s2), t(n, c1, q1, q1), t(n, c1, s1, s1),
+                        torch.zeros(5 * c2 * 128, dtype=self.dtype),  # one image's dy rows, shifted (zeros around)
+                        t(n, c1, 5, 12, 8)]  # conv2's input planes in shifted copies (kernels.c shift_rows)
+        self.workspace = (ctypes.c_void_p * len(self.buffers))(*[b.data_ptr() for b in self.buffers])
+        self.capacity, self.side = n, side
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The mean cross-entropy of the batch (x (n, 1, S, S), y (n,) int64 labels in range); gradients into .grad."""
+        n, side = len(x), x.shape[-1]
+        low, high = torch.aminmax(y)  # the kernel indexes the logits by label
+        if low < 0 or high >= self.sizes[-1]:
+            raise IndexError(f"labels must lie in [0, {self.sizes[-1]}), got {int(low)}..{int(high)}")
+        if n > self.capacity or side != self.side:
+            self._workspace(n, side)
+        for bn in self.bns:  # pfedkit's FlatModel drops the counter; a plain module counts as BatchNorm2d does
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(1)
+        x, y = x.contiguous(), y.contiguous()
+        loss = ctypes.c_double()
+        _kernels["cnn_bn_step", self.dtype](x.data_ptr(), y.data_ptr(), self.params, self.grads, self.workspace,
+                                            self.hyper.data_ptr(), n, side, *self.sizes, ctypes.addressof(loss))
+        return loss.value
+
+
+# each module's CNNStep, made on first use; beside the module rather than on it, so that a deep copy of the module
+# (side-by-side workers' replicas) gets a step of its own instead of one pointing into the original's tensors
+STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, CNNStep]" = weakref.WeakKeyDictionary()
+
+
+def cnn_step(module: torch.nn.Module, x: torch.Tensor) -> CNNStep | None:
+    """The module's `CNNStep` for batches like x, or None where `covers_cnn_step` does not take them."""
+    if not covers_cnn_step(module, x):
+        return None
+    step = STEPS.get(module)
+    if step is None or step.dtype != x.dtype or not step.still_valid(module):
+        step = STEPS[module] = CNNStep(module, x.dtype)
+    return step

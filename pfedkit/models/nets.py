@@ -17,6 +17,11 @@ from . import native
 from .many import batch_norm_many, conv_many, linear_many, stack_images, unstack_features
 
 
+# conv1 x conv2 output channels up to which the C training step was measured to pay (the CNN + BN's 16 x 32: its
+# conv2 does five times LeNet-5's work, in vectors of 16 where oneDNN's kernel has more registers' worth)
+STEP_MAX_CHANNELS = 512
+
+
 class CNN(nn.Module):
     """pFedHN's CNNTarget (specs §2.1): conv5-16, pool, conv5-32, pool, fc 120, fc 84, fc C; no padding.
 
@@ -57,6 +62,16 @@ class CNN(nn.Module):
             return native.first_conv_relu_pool(x, self.conv1)
         fused = native.covers_first_conv(x, self.conv1) and self.conv2.weight.is_contiguous()
         return bn_relu_pool(self.bn1, native.first_conv(x, self.conv1) if fused else self.conv1(x))
+
+    def training_step(self, x: torch.Tensor) -> "native.CNNStep | None":
+        """The whole training step (forward, loss, gradients, BatchNorm's running statistics) as one C call
+        (native.CNNStep) for batches like x, where the kernels cover this model and it pays: the BatchNorm models
+        on 28x28 images, with conv channel products up to STEP_MAX_CHANNELS (a step of 32 images on one core:
+        FL-bench's LeNet-5, 6 x 16, 1.0 against 1.9-2.0 ms; the CNN + BN, 16 x 32, 3.2-3.5 against 3.5-3.7 ms);
+        None: the autograd step."""
+        if self.conv1.out_channels * self.conv2.out_channels > STEP_MAX_CHANNELS:
+            return None
+        return native.cnn_step(self, x)
 
     def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor,
                      running: bool = True) -> torch.Tensor:
