@@ -3,7 +3,9 @@ client axis: mini-batch SGD with one objective hook (cross-entropy plus optional
 and momentum, per-client batch streams, and batched evaluation.
 
 The hot loop does per step exactly what a bare PyTorch loop does (index the batch, forward, backward, step) with
-the optimizer step and gradient reset each a single vector op on the flat parameter and gradient vectors.
+the optimizer step and gradient reset each a single vector op on the flat parameter and gradient vectors; for the
+BatchNorm CNNs the step, and for a plain objective the whole loop, is one C call (nets.CNN.training_step). On a
+GPU the clients train in lockstep, each step one CUDA graph replay (cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -88,8 +90,16 @@ def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generato
     anchor = objective.prox_anchor[model.param_slice] if objective.prox_anchor is not None else None
     trainable = objective.trainable
     module.train()
-    # a whole step in one C call where the model has one for these batches (nets.CNN.training_step)
+    # a whole step in one C call where the model has one for these batches (nets.CNN.training_step), and for a
+    # plain objective all the steps in one call (no Python between them)
     fused = module.training_step(data.x_train[:1]) if hasattr(module, "training_step") else None
+    if fused is not None and anchor is None and trainable is None and objective.clip_norm == 0:
+        batches = list(batch_indices(data.num_train, plan or hp, gen, params.device))
+        if not batches:
+            return 0.0
+        losses = fused.sgd(data.x_train, data.y_train, batches, params, grad, velocity, hp.lr, hp.momentum,
+                           hp.weight_decay)
+        return float(losses.sum()) / len(batches)
     loss_sum = torch.zeros((), device=params.device)
     steps = 0
     for idx in batch_indices(data.num_train, plan or hp, gen, params.device):

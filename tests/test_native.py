@@ -445,27 +445,41 @@ def test_the_c_training_step_in_float32_is_as_near_float64_as_pytorch():
     assert (ours - want).abs().max() / scale <= max(2 * (theirs - want).abs().max() / scale, 1e-6)
 
 
-def test_sgd_takes_the_c_step_for_lenet5_and_trains_as_a_plain_loop():
+@pytest.mark.parametrize("frozen", [False, True])
+def test_sgd_takes_the_c_step_for_lenet5_and_trains_as_a_plain_loop(frozen):
     """train.sgd on FL-bench's LeNet-5 (float64, momentum, a short last batch) goes through the C step and ends
-    where torch.optim.SGD over the same batches does."""
+    where torch.optim.SGD over the same batches does: with a plain objective (and weight decay) all its steps in
+    one C call (CNNStep.sgd), with a frozen head (an objective with a trainable mask) one C call a step."""
     from pfedkit.config import LocalConfig
     from pfedkit.data.federated import ClientData
-    from pfedkit.train import batch_indices, sgd
+    from pfedkit.train import Objective, batch_indices, sgd
 
     net = build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0).double()
     ref = Plain(copy.deepcopy(net))
     model = FlatModel(net)
     x, y = step_batch(45, torch.float64)  # batches of 16: 16, 16, 13
     client = ClientData(x, y, x[:0], y[:0])
-    hp = LocalConfig(epochs=2, batch_size=16, lr=0.1, momentum=0.5)
-    sgd(model, client, hp, torch.Generator().manual_seed(3))
+    decay = 0.0 if frozen else 1e-3  # torch.optim.SGD would decay a frozen head
+    hp = LocalConfig(epochs=2, batch_size=16, lr=0.1, momentum=0.5, weight_decay=decay)
+    objective = Objective()
+    if frozen:
+        objective.trainable = torch.ones(model.param_size, dtype=torch.float64)
+        objective.trainable[model.head_layers[0].params] = 0.0
+    loss = sgd(model, client, hp, torch.Generator().manual_seed(3), objective)
     assert model.module in native.STEPS  # the C step ran
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5, weight_decay=decay)
     ref.train()
+    losses = []
     for idx in batch_indices(45, hp, torch.Generator().manual_seed(3), torch.device("cpu")):
         opt.zero_grad()
-        F.cross_entropy(ref(x[idx]), y[idx]).backward()
+        batch_loss = F.cross_entropy(ref(x[idx]), y[idx])
+        batch_loss.backward()
+        losses.append(float(batch_loss.detach()))
+        if frozen:
+            ref.cnn.fc3.weight.grad.zero_()
+            ref.cnn.fc3.bias.grad.zero_()
         opt.step()
+    assert loss == pytest.approx(sum(losses) / len(losses), rel=1e-6)
     got = model.module.state_dict()
     for key, want in ref.cnn.state_dict().items():
         if key in got:  # not num_batches_tracked, which FlatModel drops

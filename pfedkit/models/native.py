@@ -52,6 +52,7 @@ SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "conv1_relu_pool_nhwc": [_P] * 5 + [_I] * 4,
     "conv1_relu_pool_nhwc_backward": [_P] * 5 + [_I] * 4,
     "cnn_bn_step": [_P] * 6 + [_I] * 7 + [_P],
+    "cnn_bn_sgd": [_P] * 9 + [_I] * 6 + [_P] * 5 + [_I] + [_P] * 2,
 }
 LANES = {torch.float32: 8, torch.float64: 4}  # the kernels' vector width (kernels.c: 32 bytes)
 # the first block's wide variant (64 bytes), taken where the CPU has 512-bit registers and the channels fill them
@@ -406,6 +407,37 @@ class CNNStep:
         _kernels["cnn_bn_step", self.dtype](x.data_ptr(), y.data_ptr(), self.params, self.grads, self.workspace,
                                             self.hyper.data_ptr(), n, side, *self.sizes, ctypes.addressof(loss))
         return loss.value
+
+    def sgd(self, x_all: torch.Tensor, y_all: torch.Tensor, batches: list[torch.Tensor], params: torch.Tensor,
+            grad: torch.Tensor, velocity: torch.Tensor | None, lr: float, momentum: float,
+            weight_decay: float) -> torch.Tensor:
+        """Local SGD over `batches` (index tensors into x_all / y_all) in one C call: each step as `__call__`, then
+        train.sgd's update for a plain objective (weight decay into the gradient, momentum into `velocity`,
+        params -= lr * step), in place on params (the flat parameters these steps' gradients go with), grad and
+        velocity. Returns each batch's mean cross-entropy (float64)."""
+        low, high = torch.aminmax(y_all)
+        if low < 0 or high >= self.sizes[-1]:
+            raise IndexError(f"labels must lie in [0, {self.sizes[-1]}), got {int(low)}..{int(high)}")
+        idx = torch.cat(batches).to(torch.int64).contiguous()
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(x_all)):
+            raise IndexError(f"batch rows must lie in [0, {len(x_all)})")
+        starts = torch.tensor([0] + [len(b) for b in batches], dtype=torch.int64).cumsum(0)
+        most, side = max(len(b) for b in batches), x_all.shape[-1]
+        if most > self.capacity or side != self.side:
+            self._workspace(most, side)
+        for bn in self.bns:  # as __call__, once a step
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(len(batches))
+        x_all, y_all = x_all.contiguous(), y_all.contiguous()
+        xb, yb = x_all.new_empty(most, *x_all.shape[1:]), torch.empty(most, dtype=torch.int64)
+        rates = torch.tensor([lr, momentum, weight_decay], dtype=torch.float64)
+        losses = torch.empty(len(batches), dtype=torch.float64)
+        _kernels["cnn_bn_sgd", self.dtype](
+            x_all.data_ptr(), y_all.data_ptr(), idx.data_ptr(), starts.data_ptr(), len(batches), self.params,
+            self.grads, self.workspace, self.hyper.data_ptr(), side, *self.sizes, xb.data_ptr(), yb.data_ptr(),
+            params.data_ptr(), grad.data_ptr(), velocity.data_ptr() if velocity is not None else None,
+            params.numel(), rates.data_ptr(), losses.data_ptr())
+        return losses
 
 
 # each module's CNNStep, made on first use; beside the module rather than on it, so that a deep copy of the module
