@@ -56,14 +56,14 @@ from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, batch_indices, seeded_generator
 
 
-def batches(cfg, data):
-    """Every client's seeded batches of this round, as (x, y) lists."""
+def batches(cfg, data, cids=None):
+    """The clients' (default: every client's) seeded batches of this round, as (x, y) lists on the data's device."""
     out = []
-    for c in range(data.num_clients):
+    for c in range(data.num_clients) if cids is None else cids:
         client = data.client(c)
         gen = seeded_generator(cfg.seed, 1, c)
         out.append([(client.x_train[i], client.y_train[i])
-                    for i in batch_indices(client.num_train, cfg.local, gen, torch.device("cpu"))])
+                    for i in batch_indices(client.num_train, cfg.local, gen, data.device)])
     return out
 
 
@@ -229,10 +229,11 @@ def grouped(net, work, lr):
                 p.grad = None
 
 
-def engine(cfg, data, workers, lockstep=None, workers_in="processes"):
-    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed))
-    hp = dataclasses.replace(cfg.local, workers=workers, workers_in=workers_in)
-    cids = list(range(data.num_clients))
+def engine(cfg, data, workers, lockstep=None, cids=None, **local):
+    """One round of the clients (default: all) through pfedkit's Cohort, `local` overriding cfg.local's keys."""
+    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(data.device))
+    hp = dataclasses.replace(cfg.local, workers=workers, **local)
+    cids = list(range(data.num_clients)) if cids is None else cids
     starts = model.state().repeat(len(cids), 1)
     return lambda: Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids],
                           lockstep).train(starts)

@@ -24,29 +24,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import threading
 import time
 
 import torch
 import torch.nn.functional as F
 
+from bench_cnn_clients import batches, engine  # the clients' batches, a Cohort's round (this folder)
 from bench_local_training import plain as plain_model  # the CNN with a plain PyTorch forward (this folder)
 from pfedkit.config import load_config
 from pfedkit.experiment import prepare
-from pfedkit.models import FlatModel, build_model
-from pfedkit.train import Cohort, batch_indices, seeded_generator
-
-
-def client_batches(cfg, data, cids):
-    """Each client's seeded batches of this round, (x, y) on the data's device."""
-    out = []
-    for c in cids:
-        client = data.client(c)
-        gen = seeded_generator(cfg.seed, 1, c)
-        out.append([(client.x_train[i], client.y_train[i])
-                    for i in batch_indices(client.num_train, cfg.local, gen, data.device)])
-    return out
+from pfedkit.models import build_model
 
 
 def bare(net, work, lr):
@@ -101,14 +89,6 @@ def bare_graph(net, work, lr):
                     F.cross_entropy(model(x), y).backward()
                     opt.step()
     return run
-
-
-def engine(cfg, data, cids, lockstep=None, graphs=True):
-    model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(data.device))
-    hp = dataclasses.replace(cfg.local, workers=1, cuda_graphs=graphs)
-    starts = model.state().repeat(len(cids), 1)
-    return lambda: Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids],
-                          lockstep).train(starts)
 
 
 class Utilization:
@@ -186,17 +166,17 @@ def main() -> None:
         net = plain_model(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)).to(device)
         for k, count in enumerate(cohorts):
             cids = list(range(count))
-            work = client_batches(cfg, data, cids)
+            work = batches(cfg, data, cids)
             steps = sum(len(w) for w in work)
             candidates = {}
             if k == 0:
                 candidates["bare"] = bare(net, work, cfg.local.lr)
                 if device.type == "cuda":
                     candidates["bare-graph"] = bare_graph(net, work, cfg.local.lr)
-                candidates["engine-1by1"] = engine(cfg, data, cids, lockstep=False)
-            candidates["engine-lockstep"] = engine(cfg, data, cids, lockstep=True, graphs=False)
+                candidates["engine-1by1"] = engine(cfg, data, 1, lockstep=False, cids=cids)
+            candidates["engine-lockstep"] = engine(cfg, data, 1, lockstep=True, cids=cids, cuda_graphs=False)
             if device.type == "cuda":
-                candidates["engine"] = engine(cfg, data, cids)
+                candidates["engine"] = engine(cfg, data, 1, cids=cids)
             print(f"\n{model_name}: {count} clients at once, {steps} client-steps a round")
             print(f"{'candidate':>16} {'s/round':>9} {'steps/s':>9} {'x bare':>7} {'GPU-Util':>9}")
             first = None

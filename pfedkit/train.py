@@ -464,7 +464,7 @@ class Cohort:
             return False
         if self.force is not None:
             return self.force
-        if self.model.device.type == "cuda":
+        if self.data.device.type == "cuda":
             return True
         dense = all(p.dim() <= 2 for p in self.model.module.parameters())
         return dense and len(self.cids) >= LOCKSTEP_MIN_CLIENTS

@@ -5,7 +5,6 @@ the graph cache's bookkeeping runs everywhere."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from pfedkit.cuda_graphs import GraphCache
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import FlatModel
 from pfedkit.registry import ALGORITHMS
-from pfedkit.train import Cohort, Objective, seeded_generator
-from test_lockstep_cnn import SIZES, plain_loop, setup
+from pfedkit.train import Objective
+from test_lockstep_cnn import SIZES, cohort, plain_loop, setup
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -30,21 +29,15 @@ def on_cuda(data):
     return data
 
 
-def cuda_cohort(cfg, data, model, **local):
-    cids = list(range(len(SIZES)))
-    hp = dataclasses.replace(cfg.local, workers=1, **local)
-    return Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids])
-
-
 @needs_cuda
 @pytest.mark.parametrize("name", ["lenet5", "cnn_bn", "cnn"])
 def test_gpu_lockstep_with_graphs_equals_a_plain_cpu_loop_per_client_in_float64(name):
     cfg, data, net = setup(name, torch.float64)
     model = FlatModel(copy.deepcopy(net).to(CUDA))
     starts = torch.stack([model.state() + 0.01 * c for c in range(len(SIZES))])
-    cohort = cuda_cohort(cfg, on_cuda(data), model)
-    assert cohort.batchable and cohort.lockstep_pays()  # the GPU default
-    trained, _ = cohort.train(starts)
+    clients = cohort(cfg, on_cuda(data), model, None)
+    assert clients.batchable and clients.lockstep_pays()  # the GPU default
+    trained, _ = clients.train(starts)
     assert len(model.batched_loss.graphs.entries) == 1 and None not in model.batched_loss.graphs.entries.values()
     for c in range(len(SIZES)):
         expected = plain_loop(cfg, data, net, starts[c].cpu(), c)
@@ -75,8 +68,8 @@ def test_graph_replays_equal_the_eager_steps_and_the_graph_is_reused(name, deter
     trainable[model.head_layers[0].params] = 0.0
     for call, starts in enumerate((base, base.flip(0) * 0.9)):
         objective = Objective(prox_anchor=starts * (1.0 + 0.1 * call), prox_mu=0.1, trainable=trainable)
-        graphed, g_loss = cuda_cohort(cfg, data, model, weight_decay=1e-3).train(starts, objective)
-        eager, e_loss = cuda_cohort(cfg, data, model, weight_decay=1e-3, cuda_graphs=False).train(starts, objective)
+        graphed, g_loss = cohort(cfg, data, model, None, weight_decay=1e-3).train(starts, objective)
+        eager, e_loss = cohort(cfg, data, model, None, weight_decay=1e-3, cuda_graphs=False).train(starts, objective)
         assert torch.equal(graphed, eager), (call, (graphed - eager).abs().max())
         assert torch.equal(g_loss, e_loss), call
         head = model.head_layers[0].params

@@ -32,9 +32,10 @@ def setup(name: str, dtype: torch.dtype):
     return cfg, data, net
 
 
-def cohort(cfg, data, model, lockstep):
+def cohort(cfg, data, model, lockstep, **local):
+    """The test clients as one Cohort (`local` overrides cfg.local's keys); lockstep None: the device's default."""
     cids = list(range(len(SIZES)))
-    hp = dataclasses.replace(cfg.local, workers=1)
+    hp = dataclasses.replace(cfg.local, workers=1, **local)
     return Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids], lockstep)
 
 

@@ -391,17 +391,23 @@ class CNNStep:
         self.workspace = (ctypes.c_void_p * len(self.buffers))(*[b.data_ptr() for b in self.buffers])
         self.capacity, self.side = n, side
 
+    def _prepare(self, labels: torch.Tensor, batch: int, side: int, steps: int) -> None:
+        """Before a call: the labels checked (the kernel indexes the logits by them), the workspace large enough
+        for `batch` images of `side`, and BatchNorm's step counters advanced by `steps` (pfedkit's FlatModel
+        drops them; a plain module counts as BatchNorm2d does)."""
+        low, high = torch.aminmax(labels)
+        if low < 0 or high >= self.sizes[-1]:
+            raise IndexError(f"labels must lie in [0, {self.sizes[-1]}), got {int(low)}..{int(high)}")
+        if batch > self.capacity or side != self.side:
+            self._workspace(batch, side)
+        for bn in self.bns:
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(steps)
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The mean cross-entropy of the batch (x (n, 1, S, S), y (n,) int64 labels in range); gradients into .grad."""
         n, side = len(x), x.shape[-1]
-        low, high = torch.aminmax(y)  # the kernel indexes the logits by label
-        if low < 0 or high >= self.sizes[-1]:
-            raise IndexError(f"labels must lie in [0, {self.sizes[-1]}), got {int(low)}..{int(high)}")
-        if n > self.capacity or side != self.side:
-            self._workspace(n, side)
-        for bn in self.bns:  # pfedkit's FlatModel drops the counter; a plain module counts as BatchNorm2d does
-            if bn.num_batches_tracked is not None:
-                bn.num_batches_tracked.add_(1)
+        self._prepare(y, n, side, steps=1)
         x, y = x.contiguous(), y.contiguous()
         loss = ctypes.c_double()
         _kernels["cnn_bn_step", self.dtype](x.data_ptr(), y.data_ptr(), self.params, self.grads, self.workspace,
@@ -415,19 +421,12 @@ class CNNStep:
         train.sgd's update for a plain objective (weight decay into the gradient, momentum into `velocity`,
         params -= lr * step), in place on params (the flat parameters these steps' gradients go with), grad and
         velocity. Returns each batch's mean cross-entropy (float64)."""
-        low, high = torch.aminmax(y_all)
-        if low < 0 or high >= self.sizes[-1]:
-            raise IndexError(f"labels must lie in [0, {self.sizes[-1]}), got {int(low)}..{int(high)}")
         idx = torch.cat(batches).to(torch.int64).contiguous()
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(x_all)):
             raise IndexError(f"batch rows must lie in [0, {len(x_all)})")
         starts = torch.tensor([0] + [len(b) for b in batches], dtype=torch.int64).cumsum(0)
         most, side = max(len(b) for b in batches), x_all.shape[-1]
-        if most > self.capacity or side != self.side:
-            self._workspace(most, side)
-        for bn in self.bns:  # as __call__, once a step
-            if bn.num_batches_tracked is not None:
-                bn.num_batches_tracked.add_(len(batches))
+        self._prepare(y_all, most, side, steps=len(batches))
         x_all, y_all = x_all.contiguous(), y_all.contiguous()
         xb, yb = x_all.new_empty(most, *x_all.shape[1:]), torch.empty(most, dtype=torch.int64)
         rates = torch.tensor([lr, momentum, weight_decay], dtype=torch.float64)
