@@ -265,6 +265,68 @@ def test_inputs_the_kernels_do_not_cover_take_pytorch():
     torch.testing.assert_close(relu_pool(odd), plain_relu_pool(odd), rtol=0, atol=0)
 
 
+def uncovered_inputs(dtype=torch.float32):
+    """Inputs the pooling kernels do not take, which the public entry points once handed to them anyway."""
+    gen = torch.Generator().manual_seed(4)
+    x = lambda *shape: torch.randn(shape, generator=gen, dtype=dtype)  # noqa: E731
+    return {"channels_last_3_channels": x(2, 3, 8, 8).contiguous(memory_format=torch.channels_last),
+            "strided_view": x(2, 4, 8, 16)[..., ::2],
+            "transposed_view": x(2, 4, 8, 8).transpose(2, 3),
+            "odd_sides": x(2, 4, 7, 9),
+            "float16": x(2, 4, 8, 8).half(),
+            "empty_batch": x(0, 4, 8, 8)}
+
+
+@pytest.mark.parametrize("case", list(uncovered_inputs()))
+def test_relu_pool_on_an_input_the_kernels_do_not_cover_equals_pytorch(case):
+    """native.relu_pool called directly (not through nets.relu_pool, which checks `covers` first) on a layout,
+    shape or dtype the kernels would misread (channels_last with 3 channels and strided views once corrupted the
+    heap): PyTorch's values and gradient, bit for bit."""
+    assert native.library() is not None, native.why_not  # else this would pass on PyTorch's ops alone
+    x = uncovered_inputs()[case]
+    assert not native.covers(x)
+    got_in, ref_in = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got, want = native.relu_pool(got_in), plain_relu_pool(ref_in)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(5)).to(x.dtype)
+    got.backward(grad)
+    want.backward(grad)
+    torch.testing.assert_close(got_in.grad, ref_in.grad, rtol=0, atol=0)
+
+
+def test_the_other_entry_points_on_inputs_their_kernels_do_not_cover_equal_pytorch():
+    """batch_norm_relu_pool, first_conv and first_conv_relu_pool called directly on what their kernels do not take
+    (channels_last, strided or float64 images with float32 layers, three input channels, an input that needs a
+    gradient): PyTorch's modules' values, or PyTorch's own error for mixed dtypes, never the kernels' misreading."""
+    assert native.library() is not None, native.why_not
+    gen = torch.Generator().manual_seed(6)
+    bn, ref_bn = torch.nn.BatchNorm2d(16), torch.nn.BatchNorm2d(16)
+    x = torch.randn(4, 16, 8, 8, generator=gen).contiguous(memory_format=torch.channels_last)
+    assert not native.covers_batch_norm(x, bn)
+    torch.testing.assert_close(native.batch_norm_relu_pool(x, bn), plain_relu_pool(ref_bn(x)), rtol=0, atol=0)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):  # counted once, as BatchNorm2d does
+        torch.testing.assert_close(getattr(bn, name), getattr(ref_bn, name), rtol=0, atol=0, msg=name)
+    with pytest.raises(RuntimeError):  # as bn(x) itself raises
+        native.batch_norm_relu_pool(x.double().contiguous(), bn)
+
+    conv, conv3 = torch.nn.Conv2d(1, 8, 5), torch.nn.Conv2d(3, 8, 5)
+    images = torch.randn(4, 1, 12, 24, generator=gen)
+    for x, layer in ((images[..., ::2], conv), (torch.randn(4, 3, 12, 12, generator=gen), conv3),
+                     (images[..., :12].clone().requires_grad_(True), conv)):
+        assert not native.covers_first_conv(x, layer)
+        torch.testing.assert_close(native.first_conv(x, layer), layer(x), rtol=0, atol=0)
+        pooled = native.first_conv_relu_pool(x, layer)
+        torch.testing.assert_close(pooled, plain_relu_pool(layer(x)), rtol=0, atol=0)
+        assert pooled.is_contiguous(memory_format=torch.channels_last)
+    grad_in = images[..., :12].clone().requires_grad_(True)
+    native.first_conv(grad_in, conv).sum().backward()  # the input's gradient, which the kernel does not give
+    want = images[..., :12].clone().requires_grad_(True)
+    conv(want).sum().backward()
+    torch.testing.assert_close(grad_in.grad, want.grad, rtol=0, atol=0)
+    with pytest.raises(RuntimeError):  # as conv(x) itself raises
+        native.first_conv(images[..., :12].double(), conv)
+
+
 class Plain(torch.nn.Module):
     """The same CNN's forward with PyTorch's pooling (the reference)."""
 
@@ -377,11 +439,10 @@ def test_without_a_working_compiler_the_models_fall_back_to_pytorch(tmp_path):
 def test_the_library_is_built_once_per_machine_and_reused(tmp_path):
     cache = tmp_path / "cache"
     assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
-    built = list((cache / "native").glob("kernels-*.so"))
-    assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
+    assert len(list(cache.rglob("*.so"))) == 1
+    files = {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
     assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
-    assert list((cache / "native").glob("*")) == built and built[0].stat().st_mtime_ns == stamp
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == files  # nothing built again
 
 
 # ---- the whole training step in C (native.CNNStep, kernels.c cnn_bn_step) ------------------------------------------
@@ -499,3 +560,61 @@ def test_the_c_step_is_not_taken_where_it_does_not_cover_or_pay():
     step = lenet.module.training_step(x)
     with pytest.raises(IndexError, match=r"labels must lie in \[0, 10\)"):
         step(torch.zeros(4, 1, 28, 28), torch.tensor([0, 3, 10, 1]))
+
+
+def test_the_c_step_refuses_what_it_would_misread_and_widens_uint8_labels():
+    """CNNStep called directly reads raw memory: int32 labels (read as int64: a segfault), a float64 batch in a
+    float32 step (read as float32: garbage), other image sizes, label counts or devices are refused with an error
+    before anything is written; uint8 labels (which F.cross_entropy takes) give PyTorch's loss and gradients."""
+    net = build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0).double()
+    ref = Plain(copy.deepcopy(net))
+    model = FlatModel(net)
+    model.module.train()
+    x, y = step_batch(8, torch.float64)
+    step = native.cnn_step(model.module, x)
+    assert step is not None, native.why_not
+    model.grad.fill_(123.0)
+    before = model.vector.clone()
+    refused = [(TypeError, x, y.int()), (TypeError, x, y.double()), (TypeError, x.float(), y),
+               (ValueError, x[:, :, :24, :24], y), (ValueError, x.expand(8, 3, 28, 28), y), (ValueError, x, y[:5]),
+               (ValueError, x[:0], y[:0]), (IndexError, x, y + 10)]
+    for error, images, labels in refused:
+        with pytest.raises(error):
+            step(images, labels)
+    assert torch.all(model.grad == 123.0) and torch.equal(model.vector, before)
+
+    loss = step(x, y.to(torch.uint8))
+    ref.train()
+    expected = F.cross_entropy(ref(x), y)
+    expected.backward()
+    assert abs(loss - float(expected.detach())) < 1e-12
+    got = dict(model.module.named_parameters())
+    for name, p in ref.cnn.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=0, atol=1e-12, msg=name)
+
+
+def test_the_c_local_sgd_refuses_what_it_would_misread():
+    """CNNStep.sgd called directly: images or labels it would misread (as the step), index tensors that are not
+    integer vectors, labels that do not match the images, or flat vectors of another size or dtype than the
+    module's (the update runs over params.numel() elements of each): an error, the parameters untouched."""
+    net = build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0)
+    model = FlatModel(net)
+    model.module.train()
+    x, y = step_batch(20, torch.float32)
+    step = native.cnn_step(model.module, x)
+    assert step is not None, native.why_not
+    params, grad = model.vector[model.param_slice], model.grad
+    velocity = torch.zeros_like(params)
+    before = params.clone()
+    batches = [torch.arange(10), torch.arange(10, 20)]
+    calls = [dict(x_all=x.double()), dict(y_all=y.int()), dict(y_all=y[:10]),
+             dict(batches=[torch.arange(10.0)]), dict(batches=[torch.arange(10)[None]]), dict(batches=[]),
+             dict(batches=[torch.arange(0)]), dict(params=params[:-1]), dict(grad=grad.double()),
+             dict(velocity=torch.zeros(5)), dict(params=params.clone()), dict(batches=[torch.tensor([0, 20])])]
+    for change in calls:
+        args = dict(x_all=x, y_all=y, batches=batches, params=params, grad=grad, velocity=velocity) | change
+        with pytest.raises((TypeError, ValueError, IndexError)):
+            step.sgd(lr=0.1, momentum=0.5, weight_decay=0.0, **args)
+    assert torch.equal(params, before) and torch.all(velocity == 0)
+    losses = step.sgd(x, y, batches, params, grad, velocity, lr=0.1, momentum=0.5, weight_decay=0.0)
+    assert losses.shape == (2,) and torch.isfinite(losses).all() and not torch.equal(params, before)

@@ -12,6 +12,13 @@ The shared library is built with `-O3 -march=native` into $PFEDKIT_CACHE (defaul
 under a name that hashes the source, the compiler's version and the CPU's model and flags, so a cache shared
 between machines never loads another CPU's build. It is written to a temporary name and renamed, so processes
 building it at once do not see half a file.
+
+Loading a library runs its code, so only a library this user built for this source is loaded: the cache folders
+are created private (0o700) and refused, with one line on stderr and the kernels unused, where another user owns
+them or others may write to them; the library must be a regular file of this user's (a symbolic link is never
+followed) that no one else may write to, whose bytes have the SHA-256 its builder recorded beside it
+(`<name>.sha256`). A library that fails those checks (truncated, replaced, foreign) is rebuilt in its place, with
+one line saying why.
 """
 from __future__ import annotations
 
@@ -20,7 +27,9 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -28,6 +37,7 @@ import weakref
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 try:
     from torch._C._functorch import peek_interpreter_stack
@@ -84,28 +94,180 @@ def _cpu() -> str:
     return "\n".join(sorted({l for l in lines if l.split(":")[0].strip() in keep}))
 
 
-def _build(cc: str) -> Path:
+class Untrusted(Exception):
+    """A cache folder or library that this user did not make for this source: the message says why."""
+
+
+def _key(cc: str) -> str:
     source = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
-    cache = Path(os.environ.get("PFEDKIT_CACHE") or Path.home() / ".cache" / "pfedkit") / "native"
-    target = cache / f"kernels-{key.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
+    return key.hexdigest()[:20]
+
+
+def _cache_folder() -> Path:
+    """$PFEDKIT_CACHE (default ~/.cache/pfedkit)/native, the missing folders made private; refused where it or
+    the cache folder above it belongs to another user or others may write to it (they could plant a library in it,
+    or put a folder of theirs in its place)."""
+    root = Path(os.environ.get("PFEDKIT_CACHE") or Path.home() / ".cache" / "pfedkit")
+    for path in (root, root / "native"):  # the root checked before anything is made in it
+        for missing in reversed([p for p in (path, *path.parents) if not os.path.lexists(p)]):
+            try:
+                os.mkdir(missing, 0o700)
+            except FileExistsError:  # made by another process at once: checked below like any other
+                continue
+            os.chmod(missing, 0o700)  # a umask can only narrow mkdir's mode: make it usable whatever the umask
+        info = os.stat(path)
+        if info.st_uid != os.geteuid():
+            raise Untrusted(f"{path}: owned by another user (uid {info.st_uid}); set PFEDKIT_CACHE to a folder "
+                            f"of your own")
+        if info.st_mode & 0o022:
+            raise Untrusted(f"{path}: writable by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
+                            f"`chmod go-w {path}` or set PFEDKIT_CACHE to a private folder")
+    return root / "native"
+
+
+def _record(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")  # the hash of the library's bytes, written by its builder
+
+
+def _open_own(path: Path) -> int:
+    """A descriptor of path if it is a regular file of this user's that no one else may write to. A symbolic link
+    is never followed and a FIFO never waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if os.path.islink(path):
+            raise Untrusted("a symbolic link") from e
+        raise
+    info = os.fstat(fd)
+    why = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+           else f"owned by another user (uid {info.st_uid})" if info.st_uid != os.geteuid()
+           else "writable by group or others" if info.st_mode & 0o022 else "")
+    if why:
+        os.close(fd)
+        raise Untrusted(why)
+    return fd
+
+
+def _digest(fd: int) -> str:
+    sha = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, 1 << 20):
+        sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _trusted(library: Path) -> int:
+    """A descriptor of the cached library if this user built it: a file of theirs (`_open_own`) whose bytes hash to
+    what its builder recorded beside it. FileNotFoundError where none was built, or no hash was recorded (an
+    earlier pfedkit's build: never loaded, rebuilt without a word); Untrusted otherwise."""
+    fd = _open_own(library)
+    try:
+        try:
+            record = _open_own(_record(library))
+        except Untrusted as e:
+            raise Untrusted(f"its hash record {_record(library).name}: {e}") from None
+        try:
+            recorded = os.read(record, 100).decode("ascii", "replace").strip()
+        finally:
+            os.close(record)
+        if _digest(fd) != recorded:
+            raise Untrusted("its bytes differ from the hash recorded when it was built (truncated or replaced)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _build(cc: str, target: Path) -> int:
+    """Compile kernels.c to a temporary file beside target, record its hash, rename both into place; returns a
+    descriptor of the bytes this process built and hashed (whatever another process renames there meanwhile)."""
+    made, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(made)
+    made, record = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
+    os.close(made)
+    fd = -1
     try:
         done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             said = done.stderr.strip().splitlines()
             raise OSError(f"{cc} failed: {said[-1] if said else done.returncode}")
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):  # the folder swapped while compiling
+            raise Untrusted(f"{tmp}: not the file the compiler wrote")
+        os.fchmod(fd, 0o700)  # the linker's mode follows the umask: no one else may write to it
+        Path(record).write_text(_digest(fd) + "\n")
+        os.replace(record, _record(target))  # the record first: a library in place always has one
         os.replace(tmp, target)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        for path in (tmp, record):
+            if os.path.exists(path):
+                os.unlink(path)
+    return fd
+
+
+def _dlopen(fd: int, path: Path) -> ctypes.CDLL:
+    """The library open at fd: through /proc the very file checked, not whatever path names by then. The
+    descriptor stays open: the loader knows the library by this name, and would hand it back for a later library
+    opened under the same descriptor number."""
+    return ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
+
+
+def _bind(lib: ctypes.CDLL) -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr]:
+    """The kernels' typed functions; AttributeError where a symbol is missing (not this source's library)."""
+    kernels = {}
+    for dtype, suffix in SUFFIX.items():
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+            kernels[name, dtype] = fn
+        for name in WIDE_KERNELS:
+            fn = getattr(lib, f"{name}_wide_{suffix}")
+            fn.argtypes, fn.restype = SIGNATURES[name], None
+            kernels[name + "_wide", dtype] = fn
+    lib.wide_vectors_native  # noqa: B018 (raises AttributeError where it is missing)
+    return kernels
+
+
+def _open_library(cc: str) -> tuple[ctypes.CDLL, dict]:
+    """The cached library and its kernels, built where there is none and rebuilt in place (with one line saying
+    why) where the cached one is not this user's own build of this source."""
+    target = _cache_folder() / f"kernels-{_key(cc)}.so"
+    rebuilt = ""
+    try:
+        lib = _dlopen(_trusted(target), target)
+        return lib, _bind(lib)
+    except FileNotFoundError:  # not built yet (or built without a record)
+        pass
+    except AttributeError:  # this user's file, loaded, but a kernel is missing: not this source's library
+        rebuilt = f"{target}: a library without pfedkit's kernels"
+    except (Untrusted, OSError) as e:  # truncated, replaced, not this user's: never loaded
+        rebuilt = f"{target}: {e}"
+    try:
+        fd = _build(cc, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        if rebuilt:
+            raise Untrusted(f"{rebuilt}; rebuilding it failed: {e}") from e
+        raise
+    lib = _dlopen(fd, target)
+    try:
+        kernels = _bind(lib)
+    except AttributeError as e:
+        raise Untrusted(f"{target}: the fresh build lacks a kernel: {e}") from e
+    if rebuilt:
+        _say(f"rebuilt the C kernels: {rebuilt}")
+    return lib, kernels
+
+
+def _say(line: str) -> None:
+    print(f"pfedkit: warning: {line}", file=sys.stderr)
 
 
 def library() -> ctypes.CDLL | None:
@@ -122,18 +284,13 @@ def library() -> ctypes.CDLL | None:
             why_not = "no C compiler (cc, gcc or clang) on PATH"
         else:
             try:
-                lib = ctypes.CDLL(str(_build(cc)))
-                for dtype, suffix in SUFFIX.items():
-                    for name, argtypes in SIGNATURES.items():
-                        fn = getattr(lib, f"{name}_{suffix}")
-                        fn.argtypes, fn.restype = argtypes, None
-                        _kernels[name, dtype] = fn
-                    for name in WIDE_KERNELS:
-                        fn = getattr(lib, f"{name}_wide_{suffix}")
-                        fn.argtypes, fn.restype = SIGNATURES[name], None
-                        _kernels[name + "_wide", dtype] = fn
+                lib, kernels = _open_library(cc)
+                _kernels.update(kernels)
                 wide = bool(lib.wide_vectors_native())
                 _library = lib
+            except Untrusted as e:
+                why_not = str(e)
+                _say(f"not using the C kernels: {e}")
             except (OSError, subprocess.SubprocessError) as e:
                 why_not = f"building {SOURCE.name} failed: {e}"
         _tried = True
@@ -204,7 +361,9 @@ class _BatchNormReluPool(torch.autograd.Function):
 
 def relu_pool(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool2d(torch.relu(x), 2) through the C kernels, for an x they cover (`covers`): the same values and
-    the same gradient."""
+    the same gradient. Any other x (a layout, shape or dtype the kernels would misread) takes PyTorch's ops."""
+    if not covers(x):
+        return F.max_pool2d(torch.relu(x), 2)
     return _ReluPool.apply(x)
 
 
@@ -246,7 +405,10 @@ def covers_first_conv(x: torch.Tensor, conv: torch.nn.Module) -> bool:
 
 
 def first_conv(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
-    """conv(x) for one-channel images (`covers_first_conv`), with the weight and bias gradients."""
+    """conv(x) for one-channel images (`covers_first_conv`), with the weight and bias gradients; conv(x) itself
+    for anything else."""
+    if not covers_first_conv(x, conv):
+        return conv(x)
     return _FirstConv.apply(x, conv.weight, conv.bias)
 
 
@@ -284,7 +446,10 @@ def covers_first_conv_pool(x: torch.Tensor, conv: torch.nn.Module) -> bool:
 
 def first_conv_relu_pool(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
     """F.max_pool2d(torch.relu(conv(x)), 2) as a channels_last tensor, for one-channel images
-    (`covers_first_conv_pool`), in one kernel: the convolution's outputs are pooled in registers."""
+    (`covers_first_conv_pool`), in one kernel: the convolution's outputs are pooled in registers. PyTorch's ops
+    (with the same channels_last output) for anything else."""
+    if not covers_first_conv_pool(x, conv):
+        return F.max_pool2d(torch.relu(conv(x)), 2).contiguous(memory_format=torch.channels_last)
     return _FirstConvReluPool.apply(x, conv.weight, conv.bias)
 
 
@@ -300,7 +465,10 @@ def covers_batch_norm(x: torch.Tensor, bn: torch.nn.Module) -> bool:
 
 def batch_norm_relu_pool(x: torch.Tensor, bn: torch.nn.BatchNorm2d) -> torch.Tensor:
     """F.max_pool2d(torch.relu(bn(x)), 2) for a training-mode bn (`covers_batch_norm`): batch statistics (in
-    double), bn's running statistics updated in place as BatchNorm2d does, gradients for x, weight and bias."""
+    double), bn's running statistics updated in place as BatchNorm2d does, gradients for x, weight and bias.
+    PyTorch's modules for anything else."""
+    if not covers_batch_norm(x, bn):
+        return F.max_pool2d(torch.relu(bn(x)), 2)
     if bn.num_batches_tracked is not None:  # pfedkit's FlatModel drops it; a plain module counts as BatchNorm2d does
         bn.num_batches_tracked.add_(1)
     return _BatchNormReluPool.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.momentum, bn.eps)
@@ -309,6 +477,7 @@ def batch_norm_relu_pool(x: torch.Tensor, bn: torch.nn.BatchNorm2d) -> torch.Ten
 STEP_PARAMS = ("conv1.weight", "conv1.bias", "bn1.weight", "bn1.bias", "conv2.weight", "conv2.bias", "bn2.weight",
                "bn2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias")
 STEP_BUFFERS = ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var")
+STEP_SIDE = 28  # conv2's kernels are written for its 12x12 inputs and 8x8 outputs
 
 
 def covers_cnn_step(module: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -322,7 +491,7 @@ def covers_cnn_step(module: torch.nn.Module, x: torch.Tensor) -> bool:
             and x.dim() == 4 and x.shape[2] == x.shape[3] and covers_first_conv(x, names["conv1"])):
         return False
     bn1, bn2, conv2 = names["bn1"], names["bn2"], names["conv2"]
-    if x.shape[2] != 28:  # conv2's kernels are written for its 12x12 inputs and 8x8 outputs
+    if x.shape[2] != STEP_SIDE:
         return False
     features = conv2.out_channels * 16 if isinstance(conv2, torch.nn.Conv2d) else -1
     layers_fit = (isinstance(conv2, torch.nn.Conv2d) and conv2.in_channels == names["conv1"].out_channels
@@ -358,6 +527,9 @@ class CNNStep:
         self.key = tuple(pointers + [params[n].grad.data_ptr() for n in STEP_PARAMS])
         self.params = (ctypes.c_void_p * len(pointers))(*pointers)
         self.grads = (ctypes.c_void_p * len(STEP_PARAMS))(*[params[n].grad.data_ptr() for n in STEP_PARAMS])
+        # the tensors pointed to, kept alive: a module whose tensors are replaced leaves no dangling pointer here
+        self.tensors = [params[n] for n in STEP_PARAMS] + [buffers[n] for n in STEP_BUFFERS] + \
+            [params[n].grad for n in STEP_PARAMS]
         m = dict(module.named_modules())
         self.hyper = torch.tensor([m["bn1"].momentum, m["bn1"].eps, m["bn2"].momentum, m["bn2"].eps],
                                   dtype=torch.float64)
@@ -391,6 +563,23 @@ class CNNStep:
         self.workspace = (ctypes.c_void_p * len(self.buffers))(*[b.data_ptr() for b in self.buffers])
         self.capacity, self.side = n, side
 
+    def _checked(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x and y as the kernel reads them, or an error: the kernel reads raw memory, so a float64 batch in a
+        float32 step, int32 labels, another device or image size would be misread (garbage, or a crash)."""
+        if x.dtype != self.dtype:
+            raise TypeError(f"the C training step's parameters are {self.dtype}, the images {x.dtype}")
+        if x.device.type != "cpu" or x.dim() != 4 or tuple(x.shape[1:]) != (1, STEP_SIDE, STEP_SIDE) or not len(x):
+            raise ValueError(f"the C training step takes (n, 1, {STEP_SIDE}, {STEP_SIDE}) CPU images, n > 0; got "
+                             f"{tuple(x.shape)} on {x.device}")
+        if y.dtype == torch.uint8:  # as F.cross_entropy takes them
+            y = y.long()
+        if y.dtype != torch.int64:
+            raise TypeError(f"the C training step takes int64 (or uint8) labels, got {y.dtype}")
+        if y.device.type != "cpu" or tuple(y.shape) != (len(x),):
+            raise ValueError(f"the C training step takes one label an image ({len(x)}) on the CPU; got "
+                             f"{tuple(y.shape)} on {y.device}")
+        return x.contiguous(), y.contiguous()
+
     def _prepare(self, labels: torch.Tensor, batch: int, side: int, steps: int) -> None:
         """Before a call: the labels checked (the kernel indexes the logits by them), the workspace large enough
         for `batch` images of `side`, and BatchNorm's step counters advanced by `steps` (pfedkit's FlatModel
@@ -406,13 +595,26 @@ class CNNStep:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The mean cross-entropy of the batch (x (n, 1, S, S), y (n,) int64 labels in range); gradients into .grad."""
+        x, y = self._checked(x, y)
         n, side = len(x), x.shape[-1]
         self._prepare(y, n, side, steps=1)
-        x, y = x.contiguous(), y.contiguous()
         loss = ctypes.c_double()
         _kernels["cnn_bn_step", self.dtype](x.data_ptr(), y.data_ptr(), self.params, self.grads, self.workspace,
                                             self.hyper.data_ptr(), n, side, *self.sizes, ctypes.addressof(loss))
         return loss.value
+
+    def _check_flat(self, params: torch.Tensor, grad: torch.Tensor, velocity: torch.Tensor | None) -> None:
+        """The update runs over params.numel() elements of params, grad and velocity: they must be of one size, in
+        the step's dtype, and hold the module's parameters and gradients (else the steps would not see it)."""
+        flats = (params, grad) + ((velocity,) if velocity is not None else ())
+        if any(t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != params.numel()
+               for t in flats):
+            raise ValueError(f"the C local SGD takes params, grad and velocity as contiguous CPU {self.dtype} "
+                             f"tensors of one size")
+        for flat, pointers in ((params, list(self.params)[:len(STEP_PARAMS)]), (grad, list(self.grads))):
+            start = flat.data_ptr()
+            if not all(start <= p < start + flat.numel() * flat.element_size() for p in pointers):
+                raise ValueError("the C local SGD's params and grad must hold the module's parameters and gradients")
 
     def sgd(self, x_all: torch.Tensor, y_all: torch.Tensor, batches: list[torch.Tensor], params: torch.Tensor,
             grad: torch.Tensor, velocity: torch.Tensor | None, lr: float, momentum: float,
@@ -421,13 +623,17 @@ class CNNStep:
         train.sgd's update for a plain objective (weight decay into the gradient, momentum into `velocity`,
         params -= lr * step), in place on params (the flat parameters these steps' gradients go with), grad and
         velocity. Returns each batch's mean cross-entropy (float64)."""
+        x_all, y_all = self._checked(x_all, y_all)
+        self._check_flat(params, grad, velocity)
+        if not batches or any(b.dtype not in (torch.int32, torch.int64) or b.device.type != "cpu" or b.dim() != 1
+                              or not len(b) for b in batches):
+            raise ValueError("the C local SGD takes one or more non-empty int64 (or int32) CPU index vectors")
         idx = torch.cat(batches).to(torch.int64).contiguous()
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(x_all)):
             raise IndexError(f"batch rows must lie in [0, {len(x_all)})")
         starts = torch.tensor([0] + [len(b) for b in batches], dtype=torch.int64).cumsum(0)
         most, side = max(len(b) for b in batches), x_all.shape[-1]
         self._prepare(y_all, most, side, steps=len(batches))
-        x_all, y_all = x_all.contiguous(), y_all.contiguous()
         xb, yb = x_all.new_empty(most, *x_all.shape[1:]), torch.empty(most, dtype=torch.int64)
         rates = torch.tensor([lr, momentum, weight_decay], dtype=torch.float64)
         losses = torch.empty(len(batches), dtype=torch.float64)
