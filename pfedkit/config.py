@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
+import reprlib
+import resource
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,9 @@ SCHEMES = ("classes", "dominant", "dirichlet", "powerlaw_labels", "chain", "iid"
 MODELS = ("cnn", "cnn_bn", "lenet5", "mlr", "dnn")
 BATCHNORM_MODELS = ("cnn_bn", "lenet5")  # FedBN has something to keep
 INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: str.isdigit() also takes '²' and '١٢'
+INT64_MAX = 2 ** 63 - 1  # numpy and torch take integers (seeds, counts) of 64 bits at most
+LONG_NUMBER = re.compile(r"[0-9]{4301}")  # Python's int() refuses strings of more than 4,300 digits
+MAX_YAML_VALUES = 10_000  # a config holds about a hundred; beyond this, aliases that repeat each other (an alias bomb)
 
 
 def choices(*values: str, default: Any) -> Any:
@@ -81,15 +87,17 @@ class ModelConfig:
 
 @dataclass
 class LocalConfig:
-    epochs: int = at_least(0, 1)
-    steps: int = at_least(0, 0)  # > 0: this many mini-batch steps instead of `epochs` passes
+    # The bounds on epochs and steps are about work, not memory (batches are drawn as they are used): a round of more
+    # local work than this per client takes days, so a larger value is a typo, refused before anything starts
+    epochs: int = at_least(0, 1, high=10_000)
+    steps: int = at_least(0, 0, high=100_000)  # > 0: this many mini-batch steps instead of `epochs` passes
     batch_size: int = at_least(1, 32)
     lr: float = at_least(0.0, 0.05, open_low=True)
     momentum: float = at_least(0.0, 0.0, high=1.0)
     weight_decay: float = at_least(0.0, 0.0)
     # clients trained side by side, each in a thread of one core (the per-client path: convolutional and BatchNorm
     # models): 0 = auto (as many as PyTorch's CPU threads on a CPU, else 1), 1 = one client after another
-    workers: int = at_least(0, 0)
+    workers: int = at_least(0, 0, high=1024)  # as `threads`: a process or thread per worker
     # where the side-by-side clients of plain local training run (Cohort.train, every algorithm but pFedMe's and
     # Per-FedAvg's solvers): forked processes on Linux CPUs (no shared GIL: pfedkit/processes.py), or threads
     workers_in: str = choices("processes", "threads", default="processes")
@@ -127,11 +135,13 @@ class Config:
     eval_every: int = at_least(1, 1)
     target_acc: float = at_least(0.0, 0.0, high=1.0)  # > 0: summary.json reports the first round reaching it
     eval_train: bool = False  # also log the models' loss on the clients' train splits at each evaluation
-    seed: int = at_least(0, 0)
+    seed: int = at_least(0, 0, high=INT64_MAX)  # torch's generators take 64-bit seeds
     seeds: str = ""  # comma list: one run per seed into DIR/seed<s>/, comparison.md gives mean ± std over them
     device: str = choices("cpu", "cuda", "auto", default="cpu")
     checkpoint_every: int = at_least(0, 10)  # rounds between checkpoints; 0 = only at the end
-    threads: int = at_least(0, 0)  # torch intra-op threads; 0 = leave PyTorch's default
+    # torch intra-op threads; 0 = leave PyTorch's default. Bounded: OpenMP crashes (a segfault in libgomp) when asked
+    # for 100,000, and more threads than a machine has cores only slow it down
+    threads: int = at_least(0, 0, high=1024)
     progress: bool = True
     plots: bool = True
     # Per-algorithm sections (`fedprox: {mu: ...}`), filled from the registry; see `algorithm_sections`.
@@ -164,8 +174,8 @@ class Config:
         if own:
             section = algorithm_sections().get(name)
             if section is None:
-                raise ConfigError(f"config key 'algorithm': {name!r} has no hyperparameters to set in {spec!r}; "
-                                  "allowed: local.* keys")
+                raise ConfigError(f"config key 'algorithm': {short_repr(name)} has no hyperparameters to set in "
+                                  f"{short_repr(spec)}; allowed: local.* keys")
             one.algo[name] = build(section, {**_to_dict(one.algo[name]), **own}, f"{name}.")
         return one
 
@@ -190,12 +200,12 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
     for item in filter(None, rest.split("+")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise ConfigError(f"config key 'algorithm': {spec!r}: expected name@key=value[+key=value]")
+            raise ConfigError(f"config key 'algorithm': {short_repr(spec)}: expected name@key=value[+key=value]")
         try:
-            overrides[key.strip()] = yaml.safe_load(value)
+            overrides[key.strip()] = load_yaml(value, f"config key 'algorithm': {short_repr(spec)}")
         except yaml.YAMLError:
-            raise ConfigError(f"config key 'algorithm': {spec!r}: {key.strip()}={value!r} is not a YAML value "
-                              "(e.g. 2, 0.5, true, name)") from None
+            raise ConfigError(f"config key 'algorithm': {short_repr(spec)}: {_cap(key.strip(), 40)}={short_repr(value)} is not "
+                              "a YAML value (e.g. 2, 0.5, true, name)") from None
     return name.strip(), overrides
 
 
@@ -214,34 +224,64 @@ def _to_dict(obj: Any) -> Any:
     return obj
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+class _ShortRepr(reprlib.Repr):
+    """repr() that stops early: an alias bomb's repr would take gigabytes, a 5,000-digit integer's would raise."""
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 200:  # 60 digits: the repr would be long, and raises beyond 4,300 digits
+            return f"<an integer of about {int(x.bit_length() * 0.30103) + 1} digits>"
+        return repr(x)
+
+
+def _cap(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+
+
+def short_repr(value: Any) -> str:
+    """A value from a file or a command line, for an error message: its repr, at most 80 characters."""
+    return _cap(_SHORT.repr(value))
+
+
+def _coerce(value: Any, tp: Any, key: str, allowed: str = "") -> Any:
+    """`value` as type `tp`; `allowed` is the key's range, for the message."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "")):
             return None
-        return _coerce(value, args[0], key)
+        return _coerce(value, args[0], key, allowed)
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected true or false, got {short_repr(value)}")
     if tp is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())
                                            or (isinstance(value, str) and INTEGER.fullmatch(value.strip()))):
-            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
-        return int(value)
+            raise ConfigError(f"config key '{key}': expected an integer, got {short_repr(value)}")
+        try:
+            number = int(value)
+        except ValueError:  # a string of more than 4,300 digits, which int() refuses to convert
+            number = INT64_MAX + 1
+        if not -INT64_MAX - 1 <= number <= INT64_MAX:  # numpy and torch raise OverflowError on such a number
+            bound = allowed if "<=" in allowed else f"{allowed + ' and ' if allowed else ''}<= {INT64_MAX} (64 bits)"
+            raise ConfigError(f"config key '{key}': {short_repr(value)} is out of range; allowed: {bound}")
+        return number
     if tp is float:
         try:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
         except (TypeError, ValueError, OverflowError):  # OverflowError: an integer too large for a float
-            raise ConfigError(f"config key '{key}': expected a number, got {value!r}") from None
+            raise ConfigError(f"config key '{key}': expected a number, got {short_repr(value)}") from None
     if tp is str:
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected a string, got {short_repr(value)}")
         return ",".join(map(str, value)) if isinstance(value, list) else str(value)
     return value
 
@@ -261,27 +301,28 @@ def _range_text(meta: Any) -> str:
 def _check_range(value: Any, f: dataclasses.Field, key: str) -> None:
     meta = f.metadata
     if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"config key '{key}': {value!r} is not allowed; allowed: {', '.join(meta['choices'])}")
+        raise ConfigError(f"config key '{key}': {short_repr(value)} is not allowed; allowed: {', '.join(meta['choices'])}")
     if isinstance(value, float) and not -_INF < value < _INF:  # nan passes every comparison below
-        raise ConfigError(f"config key '{key}': {value!r} is not allowed; allowed: a finite number "
+        raise ConfigError(f"config key '{key}': {short_repr(value)} is not allowed; allowed: a finite number "
                           f"{_range_text(meta)}".rstrip())
     if value is None or "min" not in meta:
         return
     low, high = meta["min"], meta.get("max")
     if value < low or (meta.get("open_low") and value == low) or (high is not None and value > high):
-        raise ConfigError(f"config key '{key}': {value!r} is out of range; allowed: {_range_text(meta)}")
+        raise ConfigError(f"config key '{key}': {short_repr(value)} is out of range; allowed: {_range_text(meta)}")
 
 
 def build(cls: type, data: dict | None, prefix: str = "") -> Any:
     """Build dataclass `cls` from a nested dict, rejecting unknown keys and bad values."""
     data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ConfigError(f"config key '{prefix.rstrip('.')}': expected a mapping of keys, got {data!r}")
+        raise ConfigError(f"config key '{prefix.rstrip('.')}': expected a mapping of keys, got {short_repr(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("hidden")}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}'; allowed keys here: {', '.join(fields)}")
+        raise ConfigError(f"unknown config key '{prefix}{_cap(str(unknown[0]))}'; allowed keys here: "
+                          f"{', '.join(fields)}")
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
@@ -290,7 +331,7 @@ def build(cls: type, data: dict | None, prefix: str = "") -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[name] = build(tp, data[name], key + ".")
         else:
-            kwargs[name] = _coerce(data[name], tp, key)
+            kwargs[name] = _coerce(data[name], tp, key, _range_text(f.metadata))
     obj = cls(**kwargs)
     for name, f in fields.items():
         if not dataclasses.is_dataclass(hints[name]):
@@ -300,10 +341,10 @@ def build(cls: type, data: dict | None, prefix: str = "") -> Any:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
-        raise ConfigError(f"--set expects key=value (e.g. local.lr=0.01), got {text!r}")
+        raise ConfigError(f"--set expects key=value (e.g. local.lr=0.01), got {short_repr(text)}")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw, f"--set {_cap(key.strip(), 40)}=...") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -341,7 +382,7 @@ def _read_yaml(path: Path) -> dict:
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text, f"config file {path}")
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}; fix it there") from None
     if raw is None:
@@ -351,6 +392,40 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"config file {path} must hold a mapping of keys at the top level (key: value lines), "
                           f"not a {type(raw).__name__}")
     return raw
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load, with what it cannot survive as one ConfigError naming `where` (a YAMLError, which each caller
+    words its own way, passes): nesting too deep for its recursive reader, a value Python cannot build (a number of
+    over 4,300 digits, a 13th month), and aliases that expand to more values than any config holds."""
+    if LONG_NUMBER.search(text):  # int() refuses it (ValueError), and no key takes a number of that many digits
+        raise ConfigError(f"{where} holds a number of more than 4,300 digits; no config key takes one: fix it there")
+    try:
+        value = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{where} nests lists or mappings too deeply to read (a config nests 3 levels); "
+                          "fix it there") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where} holds a value that cannot be read: {_cap(str(exc).split(';')[0])}; "
+                          "fix it there") from None
+    if _expanded_size(value) > MAX_YAML_VALUES:
+        raise ConfigError(f"{where} expands to more than {MAX_YAML_VALUES:,} values (YAML aliases that repeat "
+                          "each other: an alias bomb?); a config holds a few dozen keys: write them out")
+    return value
+
+
+def _expanded_size(value: Any) -> int:
+    """How many values `value` holds with every alias written out, counted up to just past MAX_YAML_VALUES (aliases
+    share one object, so a 400-byte file can stand for billions of values, or a cycle for infinitely many)."""
+    count, todo = 0, [value]
+    while todo and count <= MAX_YAML_VALUES:
+        item = todo.pop()
+        count += 1
+        if isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            todo += item
+    return count
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -381,11 +456,12 @@ def from_dict(raw: dict) -> Config:
     for spec in names:
         name = split_spec(spec)[0]
         if name not in ALGORITHMS:
-            raise ConfigError(f"config key 'algorithm': {name!r} is not allowed; allowed: all, {', '.join(ALGORITHMS)}"
-                              " (each optionally with @key=value+key=value for its own hyperparameters)")
+            raise ConfigError(f"config key 'algorithm': {short_repr(name)} is not allowed; allowed: all, "
+                              f"{', '.join(ALGORITHMS)} (each optionally with @key=value+key=value for its own "
+                              "hyperparameters)")
         cfg.for_algorithm(spec)  # validates the overrides
     if len(set(names)) != len(names):
-        raise ConfigError(f"config key 'algorithm': {cfg.algorithm!r} names a run twice")
+        raise ConfigError(f"config key 'algorithm': {short_repr(cfg.algorithm)} names a run twice")
     validate(cfg)
     return cfg
 
@@ -407,16 +483,70 @@ def validate(cfg: Config) -> None:
         if not cfg.dataset.train_file or not cfg.dataset.test_file:
             raise ConfigError("config key 'dataset.train_file': dataset leaf needs dataset.train_file and "
                               "dataset.test_file (the JSON files of LEAF, FedProx or pFedMe)")
-    if not all(INTEGER.fullmatch(x.strip()) and not x.strip().startswith("-") for x in cfg.seeds.split(",")) \
-            and cfg.seeds.strip():
-        raise ConfigError(f"config key 'seeds': {cfg.seeds!r} is not allowed; allowed: a comma list of integers "
-                          ">= 0, e.g. 0,1,2")
+    _check_seeds(cfg.seeds)
     if p.test_fraction == 0 and p.eval_split == "test":
         raise ConfigError("config key 'partition.test_fraction': 0 leaves nothing to evaluate on; allowed: > 0, "
                           "or 0 with partition.eval_split: validation")
     if cfg.local.epochs == 0 and cfg.local.steps == 0:
         raise ConfigError("config key 'local.epochs': 0 together with local.steps = 0 means no local training; "
                           "allowed: local.epochs >= 1 or local.steps >= 1")
+
+
+def _check_seeds(seeds: str) -> None:
+    """`seeds`: distinct integers 0..2**63-1 (a repeated seed is the same run again: counted as a second seed, it
+    would shrink the spread reported over seeds)."""
+    if not seeds.strip():
+        return
+    allowed = f"allowed: a comma list of distinct integers from 0 to {INT64_MAX}, e.g. 0,1,2"
+    items = [x.strip() for x in seeds.split(",")]
+    bad = next((x for x in items if not (INTEGER.fullmatch(x) and not x.startswith("-") and len(x) <= 25
+                                         and int(x) <= INT64_MAX)), None)
+    if bad is not None:
+        raise ConfigError(f"config key 'seeds': {short_repr(bad)} in {short_repr(seeds)} is not allowed; {allowed}")
+    seen: set[int] = set()
+    twice = next((n for n in map(int, items) if n in seen or seen.add(n)), None)
+    if twice is not None:
+        raise ConfigError(f"config key 'seeds': {short_repr(seeds)} names seed {twice} twice (one run counted as two "
+                          f"seeds); {allowed}")
+
+
+def memory_budget() -> tuple[int, str]:
+    """(bytes, what bounds them): the most memory this process can count on. The machine's physical memory, or less
+    where a container's limit (cgroup) or the address-space limit (`ulimit -v`, less what is mapped already) allows
+    less. A plan beyond it cannot succeed: it is refused before anything is allocated."""
+    limits = [(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory")]
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append((int(text), "the container's memory limit"))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft - _mapped_bytes(), "what the address-space limit (ulimit -v) leaves"))
+    return min(limits)
+
+
+def _mapped_bytes() -> int:
+    """This process's virtual size (what counts against `ulimit -v`)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def gigabytes(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def check_memory(need: float, what: str, advice: str, error: type = ConfigError) -> None:
+    """Refuse, in one line, what would need more memory than `memory_budget` (`what` names the key or file)."""
+    budget, bound = memory_budget()
+    if need > budget:
+        raise error(f"{what} would need about {gigabytes(need)} of memory, more than {bound} ({gigabytes(budget)}); "
+                    f"{advice}")
 
 
 def dump_config(cfg: Config) -> str:

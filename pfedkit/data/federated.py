@@ -6,12 +6,13 @@ All clients' training samples sit in one tensor, ordered by client, so client i'
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..config import Config
+from ..config import Config, check_memory
 from .partition import Partition, make_partition
 from .sources import Source, load_source
 
@@ -121,6 +122,45 @@ class FederatedData:
 
 
 def build_federated(cfg: Config, device: str | torch.device = "cpu") -> FederatedData:
+    """The clients' tensors; the keys that size memory beyond the data (`model.hidden`, `local.*`) are checked
+    against it first, so a run that cannot fit is refused before anything is allocated for it."""
     source = load_source(cfg.dataset, cfg.seed, cfg.partition.num_clients)
+    check_model_memory(cfg, source.input_shape, source.num_classes)
     partition = make_partition(source.y, source.num_classes, cfg.partition, cfg.seed, source.groups, source.is_test)
+    check_local_memory(cfg, source.input_shape, source.num_classes, max(len(t) for t in partition.train))
     return FederatedData(source, partition, device)
+
+
+def check_model_memory(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> None:
+    """`model.hidden`, the DNN's width, is the one key that sizes a model: refuse a model whose parameters cannot be
+    held four times (the model, its gradient, the server's copy, a client's update), the least any run holds."""
+    if cfg.model.name != "dnn":
+        return
+    width = cfg.model.hidden
+    params = (math.prod(input_shape) + 1) * width + (width + 1) * num_classes
+    check_memory(4 * 4 * params, f"config key 'model.hidden': {width:,} makes a DNN of {params:,} parameters, which "
+                 "held four times", "lower model.hidden (pFedMe's DNN: 100, 20 on Synthetic)")
+
+
+# Python's own cost of one planned batch of one client (a tensor object over the permutation)
+BATCH_OBJECT_BYTES = 200
+
+
+def check_local_memory(cfg: Config, input_shape: tuple[int, ...], num_classes: int, largest_client: int) -> None:
+    """Clients trained side by side have every batch of the round planned up front (train.batch_plan: an int64 index
+    and a float32 mask per slot, padded to local.batch_size) and a batch of each in memory at once: refuse a plan
+    that cannot fit (local.batch_size 10**6 took 4.6 GB on a dataset of 1,797 samples), for every run's local keys.
+    A batch slot holds its float32 features and label, and its outputs (and the DNN's hidden layer) a few times
+    over (forward, softmax, gradient): measured 430 bytes a slot for digits' MLR (10 clients x 10**6: 4.3 GB)."""
+    clients = cfg.clients_per_round or cfg.partition.num_clients
+    hidden = cfg.model.hidden if cfg.model.name == "dnn" else 0
+    per_sample = 4 * (math.prod(input_shape) + 4 * num_classes + 3 * hidden) + 8
+    for spec in cfg.algorithms():
+        hp = cfg.for_algorithm(spec).local
+        batches = hp.steps or hp.epochs * -(-largest_client // hp.batch_size)
+        need = clients * (batches * (12 * hp.batch_size + BATCH_OBJECT_BYTES) + hp.batch_size * per_sample)
+        length = f"local.steps={hp.steps:,}" if hp.steps else f"local.epochs={hp.epochs:,}"
+        check_memory(need, f"config keys local.batch_size={hp.batch_size:,} and {length} ({spec}): {clients:,} clients "
+                     f"training side by side, {batches:,} batches each,",
+                     f"a batch holds at most a client's train split (the largest here: {largest_client:,} samples): "
+                     "lower local.batch_size, or the local epochs or steps")

@@ -116,6 +116,8 @@ class _Scanner:
         except (ValueError, UnicodeDecodeError) as e:
             msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
             raise self.error(f"malformed {what} at byte {pos}: {msg}") from None
+        except RecursionError:  # json's decoder recurses once per level of nesting
+            raise self.error(f"{what} at byte {pos} nests lists or objects too deeply to read") from None
 
     def members(self, pos: int, what: str):
         """Yields (key, offset of its value) for each member of the object at `pos`; the consumer must send back

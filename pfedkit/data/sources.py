@@ -6,6 +6,7 @@ into train and test with `partition.test_fraction`. Images become float32 (N, C,
 from __future__ import annotations
 
 import gzip
+import math
 import pickle
 import zlib
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DatasetConfig
+from ..config import DatasetConfig, check_memory
 from ..errors import DataError
 
 FMNIST_DEBIAN_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -73,23 +74,72 @@ def standardize(images: np.ndarray, scale: float) -> np.ndarray:
 
 # ---- IDX (MNIST, Fashion-MNIST, EMNIST) --------------------------------------------------------------------------
 
-def read_idx(path: Path) -> np.ndarray:
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as fh:
-            raw = fh.read()
-    except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"{path} is unreadable or truncated ({exc.__class__.__name__}); download it again") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+# Peak memory per pixel from the IDX files to the clients' tensors: measured on MNIST-shaped files, 10.4 bytes while
+# loading (the bytes, the pooled copy, float32 standardization) and 14.4 once the clients' tensors are built
+IDX_BYTES_PER_PIXEL = 14
+
+
+def _open_idx(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _unreadable(path: Path, exc: Exception) -> DataError:
+    return DataError(f"{path} is unreadable or truncated ({exc.__class__.__name__}); download it again")
+
+
+def _idx_dims(fh, path: Path) -> tuple[int, ...]:
+    """The shape an IDX file's header declares (read from `fh`, left at the first data byte)."""
+    head = fh.read(4)
+    if len(head) < 4 or head[:3] != b"\x00\x00\x08":
         raise DataError(f"{path} is not an IDX file of unsigned bytes (bad magic number)")
-    ndim = raw[3]
-    if len(raw) < 4 + 4 * ndim:
+    ndim = head[3]
+    if ndim not in (1, 3):  # the header's count of dimensions is one byte: up to 255
+        raise DataError(f"{path}: its header declares {ndim} dimensions, but IDX images have 3 (N, H, W) and "
+                        "labels 1 (N); the file is damaged or not this dataset: download it again")
+    raw = fh.read(4 * ndim)
+    if len(raw) < 4 * ndim:
         raise DataError(f"{path}: truncated inside its header; download it again")
-    dims = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
-    body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if body.size != int(np.prod(dims)):
-        raise DataError(f"{path}: header says shape {dims} but holds {body.size} bytes (truncated file?)")
+    return tuple(int.from_bytes(raw[4 * i: 4 * i + 4], "big") for i in range(ndim))
+
+
+def idx_shape(path: Path) -> tuple[int, ...]:
+    """The shape an IDX file declares, read from its header alone (nothing sized yet)."""
+    try:
+        with _open_idx(path) as fh:
+            return _idx_dims(fh, path)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise _unreadable(path, exc) from None
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """The array of an IDX file of unsigned bytes. The data is read into an array of the declared size (checked
+    against memory by the caller, `idx_shape` first), never further: a small gzip file that inflates to gigabytes
+    of data its header does not declare is refused after one byte more."""
+    try:
+        with _open_idx(path) as fh:
+            dims = _idx_dims(fh, path)
+            body = np.empty(math.prod(dims), dtype=np.uint8)
+            got = _read_into(fh, memoryview(body))
+            more = fh.read(1)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise _unreadable(path, exc) from None
+    if got < body.size:
+        raise DataError(f"{path}: header says shape {dims} but holds {got} bytes (truncated file?)")
+    if more:
+        raise DataError(f"{path}: header says shape {dims} but holds more than {body.size} bytes (a damaged or "
+                        "crafted file?); download it again")
     return body.reshape(dims)
+
+
+def _read_into(fh, buffer: memoryview) -> int:
+    """Fill `buffer` from `fh` (a gzip file gives a few kilobytes per call); the count read, short at end of file."""
+    done = 0
+    while done < len(buffer):
+        n = fh.readinto(buffer[done:])
+        if not n:
+            break
+        done += n
+    return done
 
 
 def _find(root: Path, stem: str, subdirs: tuple[str, ...]) -> Path | None:
@@ -102,7 +152,9 @@ def _find(root: Path, stem: str, subdirs: tuple[str, ...]) -> Path | None:
 
 
 def _idx_pair(name: str, root: Path, prefix: str, subdirs: tuple[str, ...], how: str) -> tuple[np.ndarray, np.ndarray]:
-    images, labels, files = [], [], []
+    """The train and test images and labels, pooled. Every header is checked (shapes agree, the pixels fit in
+    memory) before any data is read."""
+    pairs = []
     for split in ("train", "t10k") if not prefix else ("train", "test"):
         img_stem = f"{prefix}{split}-images-idx3-ubyte"
         lab_stem = f"{prefix}{split}-labels-idx1-ubyte"
@@ -111,18 +163,22 @@ def _idx_pair(name: str, root: Path, prefix: str, subdirs: tuple[str, ...], how:
             missing = img_stem if img is None else lab_stem
             looked = ", ".join(str(root / d) for d in ("",) + subdirs)
             raise DataError(f"dataset '{name}': no {missing}[.gz] found (looked in {looked}); {how}")
-        x, y = read_idx(img), read_idx(lab)
-        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-            raise DataError(f"dataset '{name}': {img.name} has shape {x.shape} and {lab.name} {y.shape}; "
+        x, y = idx_shape(img), idx_shape(lab)
+        if len(x) != 3 or len(y) != 1 or x[0] != y[0]:
+            raise DataError(f"dataset '{name}': {img.name} has shape {x} and {lab.name} {y}; "
                             "expected (N, H, W) images and N labels")
-        images.append(x)
-        labels.append(y)
-        files.append(img)
-    if images[0].shape[1:] != images[1].shape[1:]:  # the two splits are pooled: they must be the same dataset
-        (h0, w0), (h1, w1) = images[0].shape[1:], images[1].shape[1:]
-        raise DataError(f"dataset '{name}': {files[0]} holds {h0}x{w0} images but {files[1]} holds {h1}x{w1}; "
+        pairs.append((img, lab, x))
+    (file0, _, shape0), (file1, _, shape1) = pairs
+    if shape0[1:] != shape1[1:]:  # the two splits are pooled: they must be the same dataset
+        (h0, w0), (h1, w1) = shape0[1:], shape1[1:]
+        raise DataError(f"dataset '{name}': {file0} holds {h0}x{w0} images but {file1} holds {h1}x{w1}; "
                         f"both splits must come from the same dataset: {how}")
-    return np.concatenate(images), np.concatenate(labels).astype(np.int64)
+    images = shape0[0] + shape1[0]
+    check_memory(IDX_BYTES_PER_PIXEL * images * math.prod(shape0[1:]),
+                 f"dataset '{name}': {file0} and {file1} declare {images:,} images of {shape0[1]}x{shape0[2]}, which",
+                 "the files are damaged or crafted, or too large for this machine", DataError)
+    xs, ys = zip(*((read_idx(img), read_idx(lab)) for img, lab, _ in pairs))
+    return np.concatenate(xs), np.concatenate(ys).astype(np.int64)
 
 
 def _root(cfg: DatasetConfig, default: str | None, how: str) -> Path:
@@ -187,6 +243,8 @@ class _CifarUnpickler(pickle.Unpickler):
             return _CIFAR_GLOBALS[(module, name)]
         if (module, name) == ("_codecs", "encode"):  # how Python 3's protocol 2 spells bytes: latin1 only
             return _latin1
+        if (module, name) in (("__builtin__", "bytes"), ("builtins", "bytes")):  # and how it spells b""
+            return _empty_bytes
         raise DataError(f"{self.path}: refused to load: it asks for {module}.{name}, which a CIFAR batch never "
                         f"holds (a crafted file?); delete it and download the batches again from {CIFAR_URL}")
 
@@ -195,6 +253,14 @@ def _latin1(text: str, encoding: str = "latin1") -> bytes:
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
         raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r}")
     return text.encode("latin1")
+
+
+def _empty_bytes(*args) -> bytes:
+    """bytes() with no argument: Python 3's protocols 0-2 write an empty bytes value (an empty array's data, an empty
+    label) as this call. With an argument it could allocate anything (bytes(10**12)): refused."""
+    if args:
+        raise pickle.UnpicklingError("bytes() with an argument")
+    return b""
 
 
 def _unpickle(path: Path) -> dict:
@@ -209,6 +275,33 @@ def _unpickle(path: Path) -> dict:
 
 
 _NOT_CIFAR = "the file is not a CIFAR python batch: download it again"
+
+
+def _check_in_file(value, path: Path, name: str, key: str) -> None:
+    """Refuse a value that stands for more data than its file holds. A pickle can build an array that repeats a few
+    bytes (zero strides: a 347-byte batch became 120,000 images) or a list that holds one row many times (one object
+    referenced again); a real batch stores every pixel and label once, so its values fit in the file's bytes."""
+    size = path.stat().st_size
+    if isinstance(value, np.ndarray):
+        in_file = value.nbytes <= size and (value.flags.c_contiguous or value.flags.f_contiguous)
+    else:
+        in_file = _count_values(value, size) <= size
+    if not in_file:
+        raise DataError(f"dataset '{name}': {path} holds '{key}' that stands for more values than the file's "
+                        f"{size:,} bytes hold (a few bytes repeated: a crafted file?); {_NOT_CIFAR}")
+
+
+def _count_values(value, limit: int) -> int:
+    """The values a nest of lists and arrays holds, each reference counted again, counted up to just past `limit`."""
+    count, todo = 0, [value]
+    while todo and count <= limit:
+        item = todo.pop()
+        if isinstance(item, (list, tuple)):
+            count += len(item)
+            todo += [v for v in item if isinstance(v, (list, tuple, np.ndarray))]
+        elif isinstance(item, np.ndarray):
+            count += item.size
+    return count
 
 
 def _cifar_images(value, path: Path, name: str) -> np.ndarray:
@@ -262,6 +355,8 @@ def _cifar(name: str, cfg: DatasetConfig, folder: str, files: list[str], label_k
         batch = _unpickle(path)
         if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
             raise DataError(f"dataset '{name}': {path} lacks the 'data' or '{label_key.decode()}' entry; {_NOT_CIFAR}")
+        for key in (b"data", label_key):
+            _check_in_file(batch[key], path, name, key.decode())
         data = _cifar_images(batch[b"data"], path, name)
         ys.append(_cifar_labels(batch[label_key], len(data), classes, path, name, label_key.decode()))
         xs.append(data.reshape(-1, 3, 32, 32))
@@ -313,8 +408,10 @@ def synthetic(alpha: float, beta: float, num_users: int, features: int = 60, cla
     change any label: the users' models differ through their N(., 1) draws whatever alpha is. Sizes follow
     pFedMe's 100-user generator: (lognormal(4, 2) + 50) * size_factor. Seeded; `groups` gives each sample's user.
     """
+    _check_synthetic_memory(num_users * 50 * size_factor, 0, features, classes, num_users, size_factor)  # the least
     rng = np.random.default_rng(seed)
     sizes = (rng.lognormal(4, 2, num_users).astype(np.int64) + 50) * size_factor
+    _check_synthetic_memory(int(sizes.sum()), int(sizes.max()), features, classes, num_users, size_factor)
     mean_w = rng.normal(0, alpha, num_users)
     mean_x_centre = rng.normal(0, beta, num_users)
     std_x = np.arange(1, features + 1, dtype=np.float64) ** -0.6  # cov diag((j+1)^-1.2)
@@ -328,3 +425,15 @@ def synthetic(alpha: float, beta: float, num_users: int, features: int = 60, cla
         ys.append(np.argmax(x @ w + b, axis=1))
     groups = np.repeat(np.arange(num_users), sizes)
     return Source("synthetic", np.concatenate(xs), np.concatenate(ys).astype(np.int64), classes, groups)
+
+
+def _check_synthetic_memory(samples: int, largest_user: int, features: int, classes: int, users: int,
+                            size_factor: int) -> None:
+    """Refuse a Synthetic dataset too large to generate, before generating it: 8 bytes per feature value (float32,
+    the users' pieces and their concatenation, then the pool and the clients' tensors), a user's float64
+    temporaries and its weights. Measured: 1.78 GB for 10,615 samples of 20,000 features, estimated 2.3 GB."""
+    need = 8 * samples * features + 8 * largest_user * (features + classes) + 8 * features * classes
+    check_memory(need, f"config keys partition.num_clients={users} (Synthetic's users), dataset.synthetic.features="
+                 f"{features}, dataset.synthetic.classes={classes} and dataset.synthetic.size_factor={size_factor}: "
+                 f"{samples:,}{'' if largest_user else ' or more'} samples of {features} features",
+                 "lower them (the papers: 100 users, 60 features, 10 classes, size factor 1 or 5)")
