@@ -34,7 +34,8 @@ def config_from(source: str) -> Config:
 
 
 class ClientRuntime:
-    """One partition's data, and per algorithm run its model object and algorithm (client half)."""
+    """One partition's data, and per algorithm run its model object and algorithm (client half), built afresh for
+    each Flower run (a resumed experiment is a new run: its clients start from their saved states, as in process)."""
 
     def __init__(self, cfg: Config, pid: int, full: FederatedData):
         if not 0 <= pid < cfg.partition.num_clients:
@@ -44,8 +45,12 @@ class ClientRuntime:
         self.data = full.only([pid])  # the rest of the dataset is let go
         self.train_only = self.data.train_only()
         self.runs: dict[str, tuple[Config, FlatModel, Any, torch.Tensor]] = {}
+        self.flower_run: int | None = None
 
-    def run(self, spec: str):
+    def run(self, spec: str, flower_run: int = 0):
+        if flower_run != self.flower_run:
+            self.runs.clear()
+            self.flower_run = flower_run
         if spec not in self.runs:
             one = self.cfg.for_algorithm(spec)
             model = FlatModel(build_model(one.model, self.data.input_shape, self.data.num_classes, one.seed)
@@ -54,25 +59,53 @@ class ClientRuntime:
         return self.runs[spec]
 
 
-# A simulation worker (Ray actor) serves many partitions' messages, a deployment's ClientApp process one: keep the
-# experiment's dataset loaded once per process, and each partition's runtime.
-_LOADED: dict[tuple[str, int], tuple[Config, FederatedData, dict[int, ClientRuntime]]] = {}
+def config_text(source: str) -> str:
+    """The experiment's YAML: `source` itself, or the file it names (see config_from)."""
+    if "\n" in source or ":" in source.split("/")[-1]:
+        return source
+    return Path(source).read_text(encoding="utf-8")
 
 
-def runtime(source: str, seed: int, pid: int) -> ClientRuntime:
-    key = (source, seed)
-    if key not in _LOADED:
-        _LOADED.clear()  # one experiment (and seed) at a time
-        cfg = config_from(source)
-        cfg = cfg.with_seed(seed) if cfg.seeds else cfg
+class Loaded:
+    """What a ClientApp process keeps between messages: one experiment's config (by its YAML text, so that another
+    experiment in the same deployment is never served stale data) and seed, the federated dataset (until every
+    partition this process serves has its runtime, when `keep_full` is off), and each partition's runtime.
+    A simulation worker (Ray actor) serves many partitions' messages, a deployment's ClientApp process (or pfedkit's
+    long-lived worker, flower.worker) one partition's."""
+
+    def __init__(self):
+        self.key: tuple[str, int] | None = None
+        self.cfg: Config | None = None
+        self.full: FederatedData | None = None
+        self.runtimes: dict[int, ClientRuntime] = {}
+
+    def runtime(self, source: str, seed: int, pid: int, keep_full: bool = True) -> ClientRuntime:
+        key = (config_text(source), seed)
+        if key != self.key:  # one experiment (and seed) at a time
+            self.key, self.cfg, self.full, self.runtimes = None, None, None, {}
+            cfg = config_from(source)
+            self.cfg = cfg.with_seed(seed) if cfg.seeds else cfg
+            self.key = key
+        if pid not in self.runtimes:
+            self.runtimes[pid] = ClientRuntime(self.cfg, pid, self._build() if self.full is None else self.full)
+            if not keep_full:
+                self.full = None  # this process serves this partition alone: the rest of the dataset is let go
+        return self.runtimes[pid]
+
+    def _build(self) -> FederatedData:
+        cfg = self.cfg
         if cfg.threads:  # else the runtime's default (Ray gives each simulation worker its share of the cores)
             torch.set_num_threads(cfg.threads)
         cuda = cfg.device in ('cuda', 'auto') and torch.cuda.is_available()  # the node's own GPU, if any
-        _LOADED[key] = (cfg, build_federated(cfg, 'cuda' if cuda else 'cpu'), {})
-    cfg, full, runtimes = _LOADED[key]
-    if pid not in runtimes:
-        runtimes[pid] = ClientRuntime(cfg, pid, full)
-    return runtimes[pid]
+        self.full = build_federated(cfg, 'cuda' if cuda else 'cpu')
+        return self.full
+
+
+_LOADED = Loaded()
+
+
+def runtime(source: str, seed: int, pid: int, keep_full: bool = True) -> ClientRuntime:
+    return _LOADED.runtime(source, seed, pid, keep_full)
 
 
 class ClientState:
@@ -133,8 +166,9 @@ def _corrupt(tensors: dict, numbers: dict, fault: str) -> tuple[dict, dict]:
     return tensors, numbers
 
 
-def make_client_app(config_source: str | None = None) -> ClientApp:
-    """A ClientApp for the config given here (simulation), or in the run config's `config` key (deployment)."""
+def make_client_app(config_source: str | None = None, one_partition: bool = False) -> ClientApp:
+    """A ClientApp for the config given here (simulation), or in the run config's `config` key (deployment).
+    `one_partition`: the process serves one partition only (flower.worker), so it keeps that partition's data alone."""
     app = ClientApp()
 
     def setup(msg: Message, context: Context):
@@ -143,7 +177,7 @@ def make_client_app(config_source: str | None = None) -> ClientApp:
         pid = int(context.node_config["partition-id"])
         if int(info.get("partition", pid)) != pid:
             raise ValueError(f"a message for partition {info.get('partition')} reached the node of partition {pid}")
-        rt = runtime(source, int(info.get("seed", 0)), pid)
+        rt = runtime(source, int(info.get("seed", 0)), pid, keep_full=not one_partition)
         spec = str(info.get("spec", ""))
         # where this node keeps its clients' states on disk: its own node config, else the server's suggestion
         folder = str(context.node_config.get("state-dir", info.get("state_dir", "")))
@@ -151,13 +185,21 @@ def make_client_app(config_source: str | None = None) -> ClientApp:
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
-        return Message(RecordDict({METRICS: MetricRecord({"partition": int(context.node_config["partition-id"])})}),
-                       reply_to=msg)
+        """Which partition this node serves; with a seed, its client's data prepared first."""
+        pid = int(context.node_config["partition-id"])
+        info = config_of(msg.content)
+        if "seed" in info:
+            try:
+                runtime(config_source or str(context.run_config.get("config", "")), int(info["seed"]), pid,
+                        keep_full=not one_partition)
+            except Exception:  # noqa: BLE001 - the answer still goes: the first train message reports the problem
+                pass
+        return Message(RecordDict({METRICS: MetricRecord({"partition": pid})}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         rt, pid, rnd, spec, states, info = setup(msg, context)
-        one, model, algo, init = rt.run(spec)
+        one, model, algo, init = rt.run(spec, context.run_id)
         payload = from_arrays(msg.content[ARRAYS], rt.data.device)
         cstate = states.load(rnd, algo, init)
         (update,), (state,) = fit_clients(algo, rt.data, model, one.local, one.seed, rnd, [pid], [payload], [cstate],
@@ -173,7 +215,7 @@ def make_client_app(config_source: str | None = None) -> ClientApp:
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         rt, pid, rnd, spec, states, info = setup(msg, context)
-        one, model, algo, init = rt.run(spec)
+        one, model, algo, init = rt.run(spec, context.run_id)
         payload = from_arrays(msg.content[ARRAYS], rt.data.device)
         glob = payload.pop(GLOBAL_KEY, None)
         if info.get("global_key"):  # the payload's own tensor is the global model (sent once)

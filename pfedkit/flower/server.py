@@ -7,6 +7,7 @@ the node of its partition: a Flower run sees the same clients in the same rounds
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from pathlib import Path
@@ -22,6 +23,14 @@ from ..engine.checks import tensor_bytes
 from ..errors import PfedkitError, UpdateError
 from .client import GLOBAL_KEY, config_from
 from .records import CONFIG, METRICS, message_content, read_update
+from ..stopping import Stopped, StopRequest
+
+
+def _stop_if_asked(stop: StopRequest | None) -> None:
+    """The run ends here (stopping.Stopped) once the process running it was asked to stop: the simulation's ServerApp
+    runs in a thread of that process, which cannot take the signal itself (stopping.on_signals)."""
+    if stop is not None:
+        stop.raise_if_set()
 
 
 class FlowerStats:
@@ -48,17 +57,21 @@ class FlowerStats:
                 max(self.messages, 1), "wait_s": self.wait_s}
 
 
-def map_partitions(grid: Grid, num_clients: int, timeout: float, log: Callable[[str], None]) -> dict[int, int]:
+def map_partitions(grid: Grid, num_clients: int, timeout: float, log: Callable[[str], None],
+                   stop: StopRequest | None = None, seed: int | None = None) -> dict[int, int]:
     """partition id -> node id, asking each node once which partition it serves (its reply may take a while: a
-    ClientApp starting up), until every partition has a node."""
+    ClientApp starting up), until every partition has a node. With `seed` (the experiment's first), a node
+    prepares its client's data before it answers, as the in-process engine does before its first round."""
     node_of: dict[int, int] = {}
     pending: dict[str, int] = {}  # message id -> node asked
     asked: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(node_of) < num_clients:
+        _stop_if_asked(stop)
         new = [n for n in grid.get_node_ids() if n not in asked]
         if new:
-            msgs = [Message(RecordDict({CONFIG: ConfigRecord({"ask": "partition"})}), dst_node_id=n,
+            ask = {"ask": "partition"} if seed is None else {"ask": "partition", "seed": seed}
+            msgs = [Message(RecordDict({CONFIG: ConfigRecord(ask)}), dst_node_id=n,
                             message_type=MessageType.QUERY) for n in new]
             pending.update(zip(grid.push_messages(msgs), new))
             asked.update(new)
@@ -85,12 +98,16 @@ def map_partitions(grid: Grid, num_clients: int, timeout: float, log: Callable[[
     return node_of
 
 
+DEPLOYMENT_PULL_S = 0.2  # seconds between pulls of replies from a SuperLink
+
+
 class FlowerClients:
     """The transport of engine.Server over a Flower Grid. Client states live on the clients (`context.state`)."""
 
     def __init__(self, grid: Grid, cfg: Config, node_of: dict[int, int], timeout: float,
-                 log: Callable[[str], None], stats: FlowerStats):
+                 log: Callable[[str], None], stats: FlowerStats, stop: StopRequest | None = None):
         self.grid, self.cfg, self.node_of, self.timeout, self.log, self.stats = grid, cfg, node_of, timeout, log, stats
+        self.stop = stop
         self.cid_of = {n: c for c, n in node_of.items()}
         self.checkpointed = 0  # the run's last checkpointed round: clients keep the states a resume can need
         self.state_dir = ""  # where the clients keep their states on disk unless their node config says otherwise
@@ -115,7 +132,7 @@ class FlowerClients:
                 for cid, content in contents.items()]
         t0 = time.perf_counter()
         self.stats.round_trips += len(msgs)
-        replies = list(self.grid.send_and_receive(msgs, timeout=self.timeout))
+        replies = self._send_and_receive(msgs)
         self.stats.wait_s += time.perf_counter() - t0
         out: dict[int, Any] = {}
         for reply in replies:
@@ -127,6 +144,24 @@ class FlowerClients:
                 continue
             out[cid] = reply.content
         return out
+
+    def _send_and_receive(self, msgs: list[Message]) -> list[Message]:
+        """Grid.send_and_receive, but stopping when asked to (its wait would outlast the run: up to the round
+        timeout, in a thread that nothing else can end). Pulls at the simulation's in-memory grid's own pace (its
+        pull_interval), and from a SuperLink every DEPLOYMENT_PULL_S (Flower's own send_and_receive waits 3 s
+        between pulls, up to 3 s added to every train and evaluate round trip; a pull costs milliseconds)."""
+        pending = set(self.grid.push_messages(msgs))
+        pause = float(getattr(self.grid, "pull_interval", DEPLOYMENT_PULL_S))
+        deadline, replies = time.monotonic() + self.timeout, []
+        while pending:
+            _stop_if_asked(self.stop)
+            got = list(self.grid.pull_messages(pending))
+            replies += got
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        return replies
 
     def _config(self, rnd: int, cid: int, **extra) -> dict:
         return {"round": rnd, "spec": self.cfg.algorithm, "seed": self.cfg.seed, "partition": cid,
@@ -190,13 +225,27 @@ class FlowerClients:
         return self
 
 
+def _record_error(path: str, problem: PfedkitError, unexpected: bool) -> None:
+    """The ServerApp's error, for whoever started the deployment (loopback.run_loopback reads it): its first line,
+    in a new file (never through a link; that folder is the deployment's own)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return  # the error still reaches Flower's log
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"message": str(problem).splitlines()[0] if str(problem) else "", "unexpected": unexpected}, fh)
+
+
 def make_server_app(config_source: str | None = None, out: str | None = None, *, resume: bool = False,
                     overwrite: bool = False, timeout: float = 600.0, min_replies: int = 1,
-                    connect_timeout: float = 300.0, errors: list | None = None,
+                    connect_timeout: float = 300.0, allow_version_change: bool = False, errors: list | None = None, stop: StopRequest | None = None,
                     log: Callable[[str], None] = print) -> ServerApp:
     """A ServerApp running one pfedkit experiment (every algorithm of the config, each into out/<algorithm>/).
     Settings come from here (simulation) or from the run config (deployment: config, out, resume, timeout,
-    min-replies, connect-timeout). An error is appended to `errors` (the ServerApp runs in a thread of Flower's)."""
+    min-replies, connect-timeout, error-file, allow-version-change). An error is appended to `errors` (the ServerApp runs in a thread of
+    Flower's), and written to the run config's `error-file` if it has one. `stop`: the run ends at its next message
+    once it is set (stopping.Stopped, appended to `errors`)."""
+    from ..engine.files import atomic_write
     from ..experiment import resume_experiment, run_experiment
 
     app = ServerApp()
@@ -218,24 +267,33 @@ def make_server_app(config_source: str | None = None, out: str | None = None, *,
             else:
                 cfg = config_from(source)
             node_of = map_partitions(grid, cfg.partition.num_clients, float(rc.get("connect-timeout", connect_timeout)),
-                                     log)
+                                     log, stop, seed=(cfg.seed_list() or [cfg.seed])[0])
             log(f"flower: {len(node_of)} SuperNodes, one per partition")
             stats = FlowerStats()
 
             def clients_for(one: Config, data) -> FlowerClients:
-                return FlowerClients(grid, one, node_of, wait, log, stats).bind_sizes(data.test_sizes)
+                return FlowerClients(grid, one, node_of, wait, log, stats, stop).bind_sizes(data.test_sizes)
 
             runtime = {"clients_for": clients_for, "min_replies": least}
             if again:
-                resume_experiment(folder, log=log, runtime=runtime)
+                allowed = allow_version_change or bool(rc.get("allow-version-change", False))
+                resume_experiment(folder, log=log, runtime=runtime, allow_version_change=allowed)
             else:
                 run_experiment(cfg, folder, overwrite=overwrite or bool(rc.get("overwrite", False)), log=log,
                                runtime=runtime)
-            (folder / "flower.json").write_text(json.dumps(stats.to_dict(), indent=1))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, which prints one line
+            atomic_write(folder / "flower.json", json.dumps(stats.to_dict(), indent=1).encode())
+        except Stopped as exc:  # the process was asked to stop: nothing failed
             if errors is None:
                 raise
-            errors.append(exc if isinstance(exc, PfedkitError) else PfedkitError(
-                f"the Flower ServerApp failed: {exc.__class__.__name__}: {exc}\n{traceback.format_exc()}"))
+            errors.append(exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which prints one line
+            unexpected = not isinstance(exc, PfedkitError)
+            problem = PfedkitError(f"the Flower ServerApp failed: {exc.__class__.__name__}: {exc}\n"
+                                   f"{traceback.format_exc()}") if unexpected else exc
+            if rc.get("error-file"):
+                _record_error(str(rc["error-file"]), problem, unexpected)
+            if errors is None:
+                raise
+            errors.append(problem)
 
     return app
