@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
+from . import PRESETS
 from .errors import PfedkitError
+from .stopping import stop_on
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -14,15 +17,18 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train one or several algorithms on the same data and compare them")
     run.add_argument("config", nargs="?", help="YAML config (default: the embedded mnist5k comparison, "
-                     "pfedkit/default.yaml = configs/default.yaml)")
+                     "pfedkit/configs/default.yaml; the papers' presets are beside it: `pfedkit list` names the folder)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set local.lr=0.01 (repeatable)")
     run.add_argument("--algorithms", help="comma list of algorithms to compare, or 'all'")
     run.add_argument("--seeds", help="comma list of seeds: one run each, comparison gives mean ± std (e.g. 0,1,2)")
     run.add_argument("--out", type=Path, help="output folder (default runs/<dataset>-<time>)")
     run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run from its checkpoint")
-    run.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its files, "
-                     "checkpoint included, are deleted once the new config has been checked)")
+    run.add_argument("--overwrite", action="store_true", help="replace the pfedkit run already in --out (the files "
+                     "pfedkit wrote there, checkpoint included, are deleted once the new config has been checked; a "
+                     "folder holding anything else is refused)")
+    run.add_argument("--allow-version-change", action="store_true", help="with --resume: continue a run that "
+                     "another pfedkit version (or an edited source) started, mixing the two versions' results")
     run.add_argument("--runtime", choices=("inprocess", "flower", "loopback"), default="inprocess",
                      help="inprocess: the fast simulator (default); flower: Flower's simulation runtime (Ray), one "
                      "virtual SuperNode per client; loopback: a real Flower deployment on 127.0.0.1 (flower-superlink, "
@@ -44,12 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--dataset", help="one dataset column group of the table (default: all of them; EMNIST and "
                      "CIFAR are read from dataset.root)")
     rep.add_argument("--scale", choices=("reduced", "full"), default="reduced", help="reduced: 10-20 minutes per "
-                     "column and seed on 2 CPU cores (configs/*_reduced.yaml); full: the paper's protocol")
+                     "column and seed on 2 CPU cores (pfedkit/configs/*/*_reduced.yaml); full: the paper's protocol")
     rep.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every column, e.g. --set dataset.root=/data (repeatable)")
     rep.add_argument("--out", type=Path, required=True, help="output folder (run again with the same --out to "
                      "resume an interrupted reproduction)")
+    rep.add_argument("--allow-version-change", action="store_true", help="resume runs in --out that another "
+                     "pfedkit version (or an edited source) started, mixing the two versions' results")
     rep.add_argument("--table-only", action="store_true", help="run nothing: write the table and figure from the "
                      "runs finished so far in --out (the others' cells say pending)")
     return p
@@ -66,32 +74,37 @@ def _interrupted(out: Path | None) -> str:
 
 
 def _flower(args, cfg, out: Path, resume: bool) -> None:
-    """The experiment on Flower: its simulation runtime, or a deployment on loopback started for it."""
+    """The experiment on Flower: its simulation runtime, or a deployment on loopback started for it (its files in
+    --out's own folder .flower, nothing beside it). SIGINT and SIGTERM stop either (stopping.Stopped, as main
+    handles it), every process they started stopped first."""
     from .flower import require_flower
     require_flower()
     if args.runtime == "flower":
         from .flower.simulation import run_simulation
         run_simulation(cfg, out, resume=resume, overwrite=args.overwrite, timeout=args.round_timeout,
-                       min_replies=args.min_replies)
+                       min_replies=args.min_replies, allow_version_change=args.allow_version_change)
         return
     from .config import dump_config, load_config
     from .experiment import check_out
     from .flower.loopback import run_loopback
-    out = Path(out).resolve()
     if resume:
-        cfg = load_config(out / "config.yaml")
+        cfg = load_config(Path(out) / "config.yaml")
     else:
         check_out(out, args.overwrite)
-        out.parent.mkdir(parents=True, exist_ok=True)
-    # every process of the deployment reads the config from one file
-    config_path = out.parent / f".{out.name}.config.yaml"
-    config_path.write_text(dump_config(cfg))
-    run_loopback(config_path, out, cfg.partition.num_clients, resume=resume, overwrite=args.overwrite,
-                 timeout=args.round_timeout, min_replies=args.min_replies)
+    run_loopback(dump_config(cfg), out, cfg.partition.num_clients, resume=resume, overwrite=args.overwrite,
+                 timeout=args.round_timeout, min_replies=args.min_replies,
+                 allow_version_change=args.allow_version_change)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line. Ctrl-C (SIGINT) and SIGTERM stop any command with one line saying what there is to
+    resume, and exit 128 + the signal's number (130, 143); checkpoints are written whole, so the last one stands."""
     args = _parser().parse_args(argv)
+    with stop_on(signal.SIGTERM):
+        return _command(args)
+
+
+def _command(args) -> int:
     out = None
     try:
         if args.command == "run":
@@ -103,16 +116,18 @@ def main(argv: list[str] | None = None) -> int:
                                        "it continues with the folder's own config.yaml")
                 out = args.resume
                 if args.runtime == "inprocess":
-                    resume_experiment(args.resume)
+                    resume_experiment(args.resume, allow_version_change=args.allow_version_change)
                 else:
                     _flower(args, None, out, resume=True)
             else:
                 seeds = [f"seeds={args.seeds}"] if args.seeds else []
-                config = args.config or Path(__file__).with_name("default.yaml")  # the embedded default job
+                config = args.config or PRESETS / "default.yaml"  # the packaged default job
                 cfg = load_config(config, args.overrides + seeds, args.algorithms)
                 out = args.out or default_out(cfg)
+                if args.allow_version_change:
+                    raise PfedkitError("--allow-version-change goes with --resume DIR only")
                 if args.runtime == "inprocess":
-                    run_experiment(cfg, out, overwrite=args.overwrite)
+                    run_experiment(cfg, out, overwrite=args.overwrite, config_file=args.config and Path(args.config))
                 else:
                     _flower(args, cfg, out, resume=False)
         elif args.command == "plot":
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             from .reproduce import reproduce
             out = args.out
             reproduce(args.target, args.out, dataset=args.dataset, scale=args.scale, seeds=args.seeds,
-                      extra=args.overrides, run=not args.table_only)
+                      extra=args.overrides, run=not args.table_only, allow_version_change=args.allow_version_change)
         elif args.command == "list":
             from .algorithms import ALGORITHMS
             from .config import DATASETS, MODELS, SCHEMES
@@ -152,15 +167,17 @@ def main(argv: list[str] | None = None) -> int:
             print("partitions:", ", ".join(SCHEMES))
             print("models:    ", ", ".join(MODELS))
             print("runtimes:  ", "inprocess, flower (Flower's simulation), loopback (a Flower deployment on 127.0.0.1)")
+            print("presets:   ", PRESETS)
     except PfedkitError as exc:
         print(f"pfedkit: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a file pfedkit had to write or read; the message names it
-        print(f"pfedkit: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # a file pfedkit had to write or read; the message names it where the error does
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"pfedkit: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or stopping.Stopped (SIGTERM; a Flower run's SIGINT)
         print(_interrupted(out), file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     return 0
 
 

@@ -1,17 +1,19 @@
 """Run one or several algorithms on the same data, partition and client-sampling stream, and report them."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
 from .config import Config, dump_config, load_config
 from .data import FederatedData, build_federated
 from .engine import Run, atomic_write
+from .engine import folder as run_folder
 from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from .report.plots import plot_comparison, plot_run, plot_seed_comparison
 from .report.tables import write_comparison, write_seed_comparison
@@ -37,40 +39,58 @@ def default_out(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.dataset.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_out(out: Path, overwrite: bool) -> None:
+def check_out(out: Path, overwrite: bool, config: Path | None = None) -> None:
     """Refuse an output folder that would lose or mix results, before anything is written: a file, a place that
-    cannot be written, or a folder that already holds something (a run: replaced only with `overwrite`)."""
+    cannot be written, a folder in use by another run, or a folder that already holds something (a pfedkit run is
+    replaced only with `overwrite`, and only if it holds nothing pfedkit did not write: run_folder.refuse_to_replace)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise PfedkitError(f"--out {out} is a file, not a folder; choose another --out")
     parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise PfedkitError(f"--out {out}: {parent} is not a writable folder; choose another --out")
-    if out.is_dir() and any(out.iterdir()):
-        if not is_run_folder(out):
-            raise PfedkitError(f"--out {out} is a folder with other files in it, not a pfedkit run; choose an empty "
-                               "or new folder")
-        if not overwrite:
-            raise PfedkitError(f"--out {out} already holds a run: continue it with `pfedkit run --resume {out}`, or "
-                               "replace it with --overwrite")
+    if not out.is_dir():
+        return
+    if run_folder.holder(run_folder.root_of(out)) is not None:
+        raise PfedkitError(f"--out {run_folder.in_use(run_folder.root_of(out))}")
+    _check_contents(out, overwrite, config)
+
+
+def _check_contents(out: Path, overwrite: bool, config: Path | None) -> None:
+    if not any(p.name not in run_folder.KEPT for p in out.iterdir()):
+        return
+    if not is_run_folder(out):
+        raise PfedkitError(f"--out {out} is a folder with other files in it, not a pfedkit run (no "
+                           f"{run_folder.MARKER} marker; or a run of an older pfedkit); choose an empty or new folder")
+    if not overwrite:
+        raise PfedkitError(f"--out {out} already holds a run: continue it with `pfedkit run --resume {out}`, or "
+                           "replace it with --overwrite")
+    why = run_folder.refuse_to_replace(out, config)
+    if why:
+        raise PfedkitError(why)
 
 
 def is_run_folder(path: Path) -> bool:
-    return (Path(path) / "config.yaml").is_file()
+    """A folder pfedkit made for a run (its marker says so)."""
+    return run_folder.is_marked(path)
 
 
 def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: bool = False,
                    data: FederatedData | None = None, log: Callable[[str], None] = print,
-                   stop_after: int | None = None, runtime: dict | None = None) -> list[dict]:
+                   stop_after: int | None = None, runtime: dict | None = None, config_file: Path | None = None,
+                   allow_version_change: bool = False) -> list[dict]:
     """Train every algorithm of `cfg` into `out/<algorithm>/`, then write comparison.md and comparison.png.
     With `seeds`, once per seed into `out/seed<s>/`, and the comparison gives mean ± std over the seeds.
     Every run is built (data, model, algorithm, sampler: everything that can refuse the config) before anything is
     written; `out` must be new or empty unless `overwrite` (or `resume`). A run whose clients send non-finite
-    updates is recorded (`failed.txt`) and the others still run; the experiment then ends with an error naming it."""
+    updates is recorded (`failed.txt`) and the others still run; the experiment then ends with an error naming it.
+    `config_file`: where `cfg` was read from (an overwrite never deletes it); `allow_version_change`: a resume
+    continues a run that another pfedkit started."""
     out = Path(out)
     if not resume:
-        check_out(out, overwrite)
-    summaries = _run_seeds(cfg, out, resume, data, log, stop_after, runtime)
+        check_out(out, overwrite, config_file)
+    claim = functools.partial(_claim, out, resume, overwrite, config_file, allow_version_change)
+    summaries = _run_seeds(cfg, out, resume, data, log, stop_after, runtime, claim)
     folders = [out / f"seed{s}" for s in cfg.seed_list()] or [out]
     failed = [f / name / FAILED_FILE for f in folders for name in cfg.algorithms() if (f / name / FAILED_FILE).is_file()]
     if failed:
@@ -94,27 +114,44 @@ def _one_run(cfg: Config, data: FederatedData, out: Path, runtime: dict | None, 
                log=log)
 
 
-def _start(out: Path, resume: bool) -> None:
-    """The first write of an experiment: an --overwrite'n run folder is emptied (so no stale run of another config
-    stays beside the new ones), then created."""
-    if not resume and out.is_dir() and is_run_folder(out):
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _claim(out: Path, resume: bool, overwrite: bool, config: Path | None, allow_version_change: bool
+           ) -> Iterator[None]:
+    """The first write of an experiment: `out` created and held by this run for the block (a second run into it
+    is refused); a resume goes on only with the pfedkit that started it (or when allowed); a fresh run checks `out`
+    again under the lock (another run may have started there since the first check), clears an --overwrite'n run
+    of pfedkit's own files (so no stale run of another config stays beside the new ones) and marks the folder as
+    this pfedkit's."""
+    with run_folder.locked(run_folder.root_of(out)):
+        if resume:
+            run_folder.check_version(out, allow_version_change)
+        else:
+            _check_contents(out, overwrite, config)
+            if run_folder.is_marked(out):
+                run_folder.clear(out)
+            run_folder.mark(out)
+        yield
 
 
 def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None, log: Callable[[str], None],
-               stop_after: int | None, runtime: dict | None = None) -> list[dict]:
+               stop_after: int | None, runtime: dict | None, claim: Callable[[], ContextManager]) -> list[dict]:
     seeds = cfg.seed_list()
     if not seeds:
         data = data or prepare(cfg)
         runs = build_runs(cfg, data, out, runtime, log)
-        _start(out, resume)
-        return _run_algorithms(cfg, out, resume, data, log, stop_after, runs)
+        with claim():
+            return _run_algorithms(cfg, out, resume, data, log, stop_after, runs)
     first = prepare(cfg.with_seed(seeds[0]))  # fail on bad input before writing anything
     runs = build_runs(cfg.with_seed(seeds[0]), first, out / f"seed{seeds[0]}", runtime, log)
     for seed in seeds[1:]:  # each seed draws its own partition, which may refuse: check it now, keep only one
         build_runs(cfg.with_seed(seed), prepare(cfg.with_seed(seed)), out / f"seed{seed}")
-    _start(out, resume)
+    with claim():
+        return _run_seed_list(cfg, out, resume, first, log, stop_after, runtime, runs)
+
+
+def _run_seed_list(cfg: Config, out: Path, resume: bool, first: FederatedData, log: Callable[[str], None],
+                   stop_after: int | None, runtime: dict | None, runs: list[Run]) -> list[dict]:
+    seeds = cfg.seed_list()
     if not resume:
         atomic_write(out / "config.yaml", dump_config(cfg).encode())
     summaries = []
@@ -136,6 +173,7 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
                     stop_after: int | None, runs: list[Run]) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
+        run_folder.mark(out)
         atomic_write(out / "config.yaml", dump_config(cfg).encode())
     log(data.summary())
     for warning in data.warnings:
@@ -168,8 +206,10 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
     return summaries
 
 
-def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: dict | None = None) -> list[dict]:
-    """`pfedkit run --resume DIR`: DIR is an experiment folder or one algorithm's run folder."""
+def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: dict | None = None,
+                      allow_version_change: bool = False) -> list[dict]:
+    """`pfedkit run --resume DIR`: DIR is an experiment folder or one algorithm's run folder; a run that another
+    pfedkit started is continued only with `allow_version_change`."""
     path = Path(path)
     if not (path / "config.yaml").is_file():
         raise PfedkitError(f"cannot resume: {path / 'config.yaml'} not found (is {path} a pfedkit run folder?)")
@@ -179,20 +219,26 @@ def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: d
             raise PfedkitError(f"cannot resume {path}: the run has finished (summary.json); start a new one with "
                                "another --out")
         if not (path / "checkpoint.pt").is_file():
+            seeds = path.parent.name.startswith("seed") and (path.parent.parent / "config.yaml").is_file()
             raise PfedkitError(f"cannot resume {path}: it holds no checkpoint.pt (the run stopped before its first "
-                               f"checkpoint); start it again with `pfedkit run ... --out {path} --overwrite`")
+                               f"checkpoint); resume the experiment it belongs to, `pfedkit run --resume "
+                               f"{path.parent.parent if seeds else path.parent}`, which starts this run afresh and "
+                               "continues the others")
         cfg = load_config(path / "config.yaml")
         data = prepare(cfg)
-        summary = _one_run(cfg, data, path, runtime, log).run(resume=True)
-        if cfg.plots:
-            plot_run(path)
-        parent = path.parent
-        if (parent / "comparison.md").is_file():
-            parent_cfg = load_config(parent / "config.yaml")
-            dirs = [parent / n for n in parent_cfg.algorithms()]
-            write_comparison(parent, dirs, (parent / "comparison.md").read_text().split("\n\n")[0])
+        run = _one_run(cfg, data, path, runtime, log)
+        with run_folder.locked(run_folder.root_of(path)):
+            run_folder.check_version(path, allow_version_change)
+            summary = run.run(resume=True)
             if cfg.plots:
-                plot_comparison(parent, dirs)
+                plot_run(path)
+            parent = path.parent
+            if (parent / "comparison.md").is_file():
+                parent_cfg = load_config(parent / "config.yaml")
+                dirs = [parent / n for n in parent_cfg.algorithms()]
+                write_comparison(parent, dirs, (parent / "comparison.md").read_text().split("\n\n")[0])
+                if cfg.plots:
+                    plot_comparison(parent, dirs)
         return [summary]
     cfg = load_config(path / "config.yaml")
-    return run_experiment(cfg, path, resume=True, log=log, runtime=runtime)
+    return run_experiment(cfg, path, resume=True, log=log, runtime=runtime, allow_version_change=allow_version_change)

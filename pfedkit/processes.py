@@ -20,6 +20,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 import warnings
 from typing import Callable
@@ -75,19 +76,29 @@ class Placement:
         del kept[:-self.SAMPLES]
 
 
+STALL_FLOOR_S = 60.0  # a worker that finishes no task for this long (or STALL_FACTOR x the longest task) stalled
+STALL_FACTOR = 10.0
+
+
 def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> None:
     """task(worker, i) for every i in range(count), `workers` at a time: worker 0 is this process, workers 1 ..
     workers - 1 forked children, each on one intra-op thread. A task returns nothing: it writes its results into
-    `shared_empty` tensors. The next task goes to whichever worker is free (a shared counter under a lock), so one
-    long task does not hold the others back. A failed task's exception is raised here once every worker has
-    stopped (a failure stops the hand-out of tasks); no child outlives the call, also when this process is
-    interrupted."""
+    `shared_empty` tensors, so running it again gives the same results. The next task goes to whichever worker is
+    free (a shared counter under a lock), so one long task does not hold the others back. A task's exception is
+    raised here once every worker has stopped (a failure stops the hand-out of tasks). A child that dies without
+    one (killed) or stalls (forking a process that runs threads can leave a child spinning on a lock another
+    thread held: once in ~35 runs, for 10 minutes) never holds the run: after `_stall_limit` seconds without a
+    finished task it is killed, and whatever it left undone is done here, with one warning. No child outlives the
+    call, also when this process is interrupted."""
     if count == 0:
         return
     workers = max(1, min(workers, count))
     handed_out = shared_empty((1,), torch.int64)  # the next task's index; >= count: no more
     handed_out.zero_()
+    done = shared_empty((count,), torch.uint8)  # 1: task i finished (by whichever worker)
+    done.zero_()
     lock = _PipeLock()
+    longest = [0.0]  # this process's longest task: what a slow but healthy task may take
 
     def work(worker: int) -> None:
         while True:
@@ -96,11 +107,14 @@ def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> 
                 handed_out[0] = i + 1
             if i >= count:
                 return
+            began = time.monotonic()
             try:
                 task(worker, i)
             except BaseException:
                 handed_out[0] = count  # the others stop after their current task
                 raise
+            done[i] = 1
+            longest[0] = max(longest[0], time.monotonic() - began)
 
     error_read, error_write = os.pipe()
     children: list[int] = []
@@ -123,25 +137,62 @@ def in_processes(workers: int, count: int, task: Callable[[int, int], None]) -> 
         torch.set_num_threads(1)
         try:
             work(0)
+            lost = _wait(children, done, STALL_FACTOR * longest[0])
+            report = _read_all(error_read)
+            if report:
+                raise _unpack(report)
+            if lost:  # killed or stalled children: their tasks, done again here (the same results)
+                undone = [i for i in range(count) if not done[i]]
+                warnings.warn(f"{lost}; the {len(undone)} task(s) it left undone were run again in this process",
+                              RuntimeWarning, stacklevel=2)
+                for i in undone:
+                    task(0, i)
         finally:
             torch.set_num_threads(threads)
-            statuses = [os.waitpid(pid, 0)[1] for pid in children]
-            children.clear()
-        report = _read_all(error_read)
-        if report or any(statuses):
-            raise _unpack(report)
     finally:
         gc.unfreeze()
         for pid in children:  # interrupted while forking or waiting: no child outlives the call
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
+            _kill(pid)
         for fd in (error_read, error_write):
             if fd >= 0:
                 os.close(fd)
         lock.close()
+
+
+def _wait(children: list[int], done: torch.Tensor, slow_task_s: float) -> str:
+    """Wait for the children (removed from the list as they end), never longer than the stall limit without a
+    finished task; '' when all ended well, else what happened to the ones that did not."""
+    limit = max(STALL_FLOOR_S, slow_task_s)
+    finished, progress_at, pause = int(done.sum()), time.monotonic(), 0.0005
+    problem = ""
+    while children:
+        for pid in list(children):
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                children.remove(pid)
+                code = os.waitstatus_to_exitcode(status)
+                if code and not problem:
+                    problem = (f"a worker process was killed by signal {-code}" if code < 0 else
+                               f"a worker process exited with code {code}")
+        now_finished = int(done.sum())
+        if now_finished != finished:
+            finished, progress_at = now_finished, time.monotonic()
+        elif children and time.monotonic() - progress_at > limit:
+            for pid in list(children):
+                _kill(pid)
+                children.remove(pid)
+            return problem or f"a worker process finished no task in {limit:.0f} s (stalled) and was stopped"
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)  # a child's tasks take milliseconds to seconds: look soon, then now and then
+    return problem
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 class _PipeLock:
@@ -167,7 +218,8 @@ def _child(worker: int, work: Callable[[int], None], error_read: int, error_writ
     status = 1
     try:
         os.close(error_read)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent reports an interrupt; the child just stops
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the parent reports an interrupt; the child just stops
+            signal.signal(sig, signal.SIG_DFL)
         gc.unfreeze()
         torch.set_num_threads(1)
         work(worker)

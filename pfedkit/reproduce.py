@@ -1,7 +1,7 @@
 """`pfedkit reproduce`: the papers' tables and figures, every method on the same partitions and sampling streams,
 our mean ± sample std over seeds next to the paper's number in each cell.
 
-Each column of a table is one preset of `configs/` (`<name>_reduced.yaml` for `--scale reduced`, sized for 2 CPU
+Each column of a table is one preset of `pfedkit/configs/` (`<name>_reduced.yaml` for `--scale reduced`, sized for 2 CPU
 cores; `<name>.yaml` the paper's protocol) run with the table's methods and seeds into `<out>/<column>/` (an
 interrupted reproduction resumes where it stopped when run again with the same --out). The table is then written
 from the runs' summary.json files: `<out>/<target>.md` and `<out>/<target>.png`.
@@ -16,12 +16,12 @@ from typing import Callable
 import numpy as np
 
 from .config import BATCHNORM_MODELS, load_config
-from .engine.files import RESUMABLE_KEYS, flatten_config
+from .engine.files import RESUMABLE_KEYS, atomic_write, flatten_config
 from .errors import ConfigError, UpdateError
 from .experiment import is_run_folder, prepare, resume_experiment, run_experiment
 from .report import papers
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the presets, in the source checkout
+from . import PRESETS
 PFEDLA_METHODS = ("local", "fedavg", "perfedavg", "pfedme", "pfedhn", "fedbn", "fedrep", "fedfomo", "pfedla",
                   "heurpfedla")
 PFEDCS_METHODS = ("fedavg", "perfedavg", "fedprox", "fedtc", "pfedme", "pfedcs")
@@ -32,7 +32,7 @@ LABELS = {"emnist": "EMNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10", "cifar10
 @dataclass(frozen=True)
 class Column:
     key: tuple  # how the paper's numbers are keyed, e.g. ("fmnist", 10) or ("synthetic", "mlr")
-    preset: str  # path under configs/ without the _reduced/.yaml suffix
+    preset: str  # path under pfedkit/configs/ without the _reduced/.yaml suffix
 
     @property
     def label(self) -> str:
@@ -89,10 +89,10 @@ def columns_of(target: Target, dataset: str | None) -> list[Column]:
 
 
 def preset_path(column: Column, scale: str) -> Path:
-    path = CONFIGS / f"{column.preset}{'_reduced' if scale == 'reduced' else ''}.yaml"
+    path = PRESETS / f"{column.preset}{'_reduced' if scale == 'reduced' else ''}.yaml"
     if not path.is_file():
         raise ConfigError(f"pfedkit reproduce: the preset {path} is missing (the presets live in the source "
-                          "checkout's configs/ folder: run from a clone of pfedkit)")
+                          "package's configs/ folder: reinstall pfedkit)")
     return path
 
 
@@ -120,7 +120,7 @@ def check_same_config(folder: Path, cfg) -> None:
 
 def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale: str = "reduced",
               seeds: str = "0,1,2", extra: list[str] | None = None, run: bool = True,
-              log: Callable[[str], None] = print) -> Path:
+              log: Callable[[str], None] = print, allow_version_change: bool = False) -> Path:
     """Run (or resume) every column of a table, then write its markdown table and figure; returns the table.
     With run=False only the table, from the runs finished so far."""
     target = TARGETS[target_name]
@@ -137,7 +137,7 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale:
         log(f"== {target.name} {column.label}: {preset_path(column, scale).name} → {folder}")
         try:
             if is_run_folder(folder):
-                resume_experiment(folder, log=log)
+                resume_experiment(folder, log=log, allow_version_change=allow_version_change)
             else:
                 run_experiment(cfg, folder, log=log)
         except UpdateError as exc:  # a diverged run is a failed cell; the other methods' cells still count
@@ -145,7 +145,8 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale:
     results = {c: collect(out / c.folder, cfg) for c, cfg in zip(columns, configs)}
     text = TABLES[target.name](target, results, out, scale, seeds)
     path = out / f"{target.name}.md"
-    path.write_text(text)
+    out.mkdir(parents=True, exist_ok=True)  # --table-only before any run
+    atomic_write(path, text.encode())
     figure(target, results, out, out / f"{target.name}.png")
     log(text)
     log(f"wrote {path}")
@@ -205,7 +206,7 @@ SCALES = {"reduced": "*_reduced.yaml: fewer rounds and samples than the paper, f
 
 def _header(target: Target, scale: str, seeds: str) -> list[str]:
     return [f"# pfedkit reproduce {target.name} (--scale {scale}, seeds {seeds})", "",
-            f"Command: `pfedkit reproduce {target.name} --scale {scale} --seeds {seeds}`; presets: configs/ "
+            f"Command: `pfedkit reproduce {target.name} --scale {scale} --seeds {seeds}`; presets: pfedkit/configs/ "
             f"({SCALES[scale]}).",
             ""]
 
@@ -329,16 +330,13 @@ def _paper_value(cell: str | None) -> float | None:
 
 def figure(target: Target, results: dict, out: Path, path: Path) -> Path | None:
     """Ours (mean ± std over seeds) beside the paper's numbers, one panel per column."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .report.plots import plot_alpha, plt, save_figure
     if target.name == "fig6":
-        from .report.plots import plot_alpha
         runs = [r for c in results for r in fig6_runs(out / c.folder) if (r / "alpha.npz").is_file()]
         if not runs:
             return None
         heatmap = plot_alpha(runs[0])[0]
-        path.write_bytes(heatmap.read_bytes())
+        atomic_write(path, heatmap.read_bytes())
         return path
     cols = list(results)
     fig, axes = plt.subplots(1, len(cols), figsize=(1.2 + 0.75 * max(len(r) for r in results.values()) * len(cols)
@@ -368,9 +366,7 @@ def figure(target: Target, results: dict, out: Path, path: Path) -> Path | None:
         ax.set(title=c.label, ylabel="accuracy %", ylim=(max(0, low - 10), 100))
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import copy
 import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 def seeded_generator(*key: int) -> torch.Generator:
     """A CPU generator whose stream depends only on `key` (e.g. seed, round, client)."""
-    seed = int(np.random.SeedSequence([abs(int(k)) for k in key]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    seed = int(np.random.SeedSequence([abs(int(k)) for k in key]).generate_state(1, dtype=np.uint64)[0]) >> 1
     return torch.Generator().manual_seed(seed)
 
 
@@ -190,23 +190,48 @@ def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor,
 
 
 def in_threads(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
-    """The tasks' results in order, `workers` at a time, each worker thread on one intra-op thread (the ops release
-    the GIL, so the threads run on separate cores) and under the caller's grad mode; a task's error is re-raised
-    here. workers <= 1: in this thread."""
-    if workers <= 1:
+    """The tasks' results in order, `workers` at a time (this thread one of them), each worker on one intra-op
+    thread (the ops release the GIL, so the threads run on separate cores) and under the caller's grad mode; a
+    task's error is re-raised here once the workers have stopped. Where no thread can be started (a thread limit,
+    memory) the workers there are do it all: each task runs on one thread either way, so the results are the same.
+    workers <= 1: in this thread."""
+    if workers <= 1 or len(tasks) <= 1:
         return [task() for task in tasks]
     grad_mode = torch.is_grad_enabled()  # thread-local: a new thread would run with autograd on
+    results: list = [None] * len(tasks)
+    errors: list[BaseException] = []
+    order, lock = iter(range(len(tasks))), threading.Lock()
 
-    def one_thread(task: Callable[[], T]) -> T:
+    def work() -> None:
         torch.set_num_threads(1)  # this worker thread's ops only
         with torch.set_grad_enabled(grad_mode):  # e.g. predict's no_grad: without it the chunks built graphs
-            return task()
+            while not errors:
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = tasks[i]()
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                    errors.append(exc)
     threads = torch.get_num_threads()
+    started = []
     try:
-        with ThreadPoolExecutor(workers) as pool:
-            return [f.result() for f in [pool.submit(one_thread, task) for task in tasks]]
+        for _ in range(workers - 1):
+            helper = threading.Thread(target=work, daemon=True)
+            try:
+                helper.start()
+            except RuntimeError:  # "can't start new thread"
+                break
+            started.append(helper)
+        work()
+        for helper in started:
+            helper.join()
     finally:
         torch.set_num_threads(threads)
+    if errors:
+        raise errors[0]
+    return results
 
 
 # ---- many clients in lockstep (batched matrix products) ------------------------------------------------------------

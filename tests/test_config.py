@@ -51,15 +51,16 @@ def test_bad_values_name_the_key(override, needle):
 
 
 def test_every_preset_loads():
-    presets = sorted((ROOT / "configs").rglob("*.yaml"))
+    presets = sorted((ROOT / "pfedkit" / "configs").rglob("*.yaml"))
     assert presets
     for p in presets:
         load_config(p)
 
 
-def test_default_preset_is_the_embedded_default_job():
-    assert (ROOT / "configs" / "default.yaml").read_text() == (ROOT / "pfedkit" / "default.yaml").read_text()
-    cfg = load_config(ROOT / "pfedkit" / "default.yaml")
+def test_default_preset_is_the_packaged_default_job():
+    from pfedkit import PRESETS
+    assert PRESETS == ROOT / "pfedkit" / "configs"
+    cfg = load_config(PRESETS / "default.yaml")
     # the default job: real MNIST digits, 10 clients, 4 classes each, the small CNN, every algorithm
     assert (cfg.dataset.name, cfg.partition.num_clients, cfg.partition.classes_per_client, cfg.model.name,
             cfg.algorithm) == ("mnist5k", 10, 4, "cnn", "all")

@@ -336,10 +336,9 @@ FMNIST = "/usr/share/datasets/fashion-mnist"
 
 @pytest.mark.skipif(not __import__("os").path.isdir(FMNIST), reason="needs `apt-get install dataset-fashion-mnist`")
 def test_reduced_table1_preset_on_full_fmnist(tmp_path):
-    from pathlib import Path
-
+    from pfedkit import PRESETS
     from pfedkit.experiment import run_experiment
-    preset = Path(__file__).resolve().parents[1] / "configs" / "pfedla" / "table1_fmnist_10clients_reduced.yaml"
+    preset = PRESETS / "pfedla" / "table1_fmnist_10clients_reduced.yaml"
     cfg = load_config(preset, ["rounds=4", "seeds=", "progress=false"])  # 400 samples a client: FedAvg needs 4
     summaries = {s["algorithm"]: s for s in run_experiment(cfg, tmp_path, log=lambda s: None)}
     assert list(summaries) == ["local", "fedavg", "pfedla", "heurpfedla"]

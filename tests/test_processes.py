@@ -92,13 +92,36 @@ def test_an_exception_is_raised_here_with_its_type_and_message_and_stops_the_wor
     assert int(started.sum()) < 200  # no task was handed out after the failure but the ones under way
 
 
-def test_a_child_that_dies_is_reported():
+def finish_every_task(count: int, fail_in_child) -> torch.Tensor:
+    """in_processes(2, count) of tasks that write i + 1 at i, where `fail_in_child(i)` runs first in a child."""
+    out = processes.shared_empty((count,), torch.int64)
+    out.zero_()
+    parent = os.getpid()
+
     def task(worker: int, i: int) -> None:
-        if worker == 1:
-            os._exit(9)  # e.g. killed by the OOM killer: no exception to send
+        if os.getpid() != parent:
+            fail_in_child(i)
         time.sleep(0.01)
-    with pytest.raises(RuntimeError, match="a worker process failed"):
-        processes.in_processes(2, 10, task)
+        out[i] = i + 1
+    processes.in_processes(2, count, task)
+    return out
+
+
+def test_a_child_that_dies_leaves_its_work_to_this_process_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="killed by signal 9; the 1 task"):
+        out = finish_every_task(10, lambda i: os.kill(os.getpid(), 9))  # e.g. the OOM killer: no exception to send
+    assert out.tolist() == list(range(1, 11))
+    assert no_children_left()
+
+
+def test_a_child_that_stalls_is_stopped_and_its_work_redone_here(monkeypatch):
+    """A forked child spinning on a lock (10.5 minutes once): stopped after the stall limit, not waited for."""
+    monkeypatch.setattr(processes, "STALL_FLOOR_S", 1.0)
+    began = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="finished no task in 1 s"):
+        out = finish_every_task(20, lambda i: time.sleep(3600) if i >= 5 else None)
+    assert out.tolist() == list(range(1, 21))
+    assert time.monotonic() - began < 600  # bounded (the child alone would have slept an hour)
     assert no_children_left()
 
 

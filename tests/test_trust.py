@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from pfedkit.config import LocalConfig, PartitionConfig, load_config
 from pfedkit.data import make_partition
 from pfedkit.engine import Run, check_update
+from pfedkit.engine.folder import LOCK, MARKER
 from pfedkit.errors import ConfigError, DataError, PfedkitError, UpdateError
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import FlatModel, build_model
@@ -46,7 +47,9 @@ def interrupted_run(tmp_path: Path, *extra: str, algorithms: str = "fedavg") -> 
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """The folder's files and bytes, but for the lock file (it holds the pid of the last process that held it)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name != LOCK}
 
 
 # ---- checkpoints are data, never code -------------------------------------------------------------------------
@@ -146,7 +149,7 @@ def test_resuming_a_run_folder_without_a_checkpoint_does_not_nest_a_fresh_run(tm
     assert not (run_dir / "checkpoint.pt").exists()
     before = files_of(out)
     line = one_line(pfedkit("run", "--resume", str(run_dir)))
-    assert "no checkpoint.pt" in line and "--overwrite" in line
+    assert "no checkpoint.pt" in line and f"pfedkit run --resume {out}`" in line  # its experiment folder
     assert files_of(out) == before and not (run_dir / "fedavg").exists()
 
 
@@ -397,7 +400,7 @@ def test_ctrl_c_before_anything_is_written_says_there_is_nothing_to_resume(tmp_p
     proc = subprocess.Popen([sys.executable, "-m", "pfedkit", "run", "--set", "dataset.name=fmnist", *FAST,
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # interrupt it while it reads the 70,000 images (one of the dataset's files is open), past all its imports
-    fds, deadline = Path(f"/proc/{proc.pid}/fd"), time.time() + 120
+    fds, deadline = Path(f"/proc/{proc.pid}/fd"), time.time() + 600
 
     def reading() -> bool:
         try:
@@ -407,25 +410,26 @@ def test_ctrl_c_before_anything_is_written_says_there_is_nothing_to_resume(tmp_p
     while time.time() < deadline and proc.poll() is None and not reading():
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=600)
     if out.exists():
         pytest.skip("the run got past its checks before the signal")
     assert proc.returncode == 130, err
     assert err.strip() == "pfedkit: interrupted before anything was written; nothing to resume"
 
 
-def test_ctrl_c_after_a_checkpoint_names_the_real_folder(tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])  # Ctrl-C; `kill`
+def test_ctrl_c_after_a_checkpoint_names_the_real_folder(tmp_path, sig, code):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "pfedkit", "run", "--algorithms", "fedavg", "--set",
                              "dataset.name=digits", "--set", "model.name=mlr", "--set", "rounds=100000", "--set",
                              "checkpoint_every=5", *FAST, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    deadline = time.time() + 600
     while not (out / "fedavg" / "checkpoint.pt").exists() and time.time() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == code
     assert err.strip() == f"pfedkit: interrupted; continue with `pfedkit run --resume {out}`"
 
 

@@ -29,9 +29,28 @@ def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         kept = f"; the previous {path.name} is intact" if path.exists() else ""
         raise PfedkitError(f"could not write {path}: {exc.strerror or exc} (disk full or not writable?){kept}") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # whatever stopped the write (after the rename there is nothing to remove)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one whole line to a log (metrics.jsonl): a write that fails part way (a full disk) is cut back, so the
+    file never ends in half a row, and the error names the file."""
+    data = memoryview((line + "\n").encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while data:  # unbuffered: a short write is seen here, not at close
+                data = data[os.write(fd, data):]
+        except OSError as exc:
+            os.ftruncate(fd, size)
+            raise PfedkitError(f"could not write {path}: {exc.strerror or exc} (disk full or not writable?); the "
+                               "rows before this one are intact") from None
+    finally:
+        os.close(fd)
 
 
 RESUMABLE_KEYS = {"rounds", "progress", "plots", "threads", "device", "checkpoint_every",

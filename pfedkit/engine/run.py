@@ -19,13 +19,16 @@ import torch
 from tqdm.auto import tqdm
 
 from ..algorithms import build_algorithm
-from ..config import Config, dump_config
+from ..config import Config, dump_config, short_repr
 from ..data import FederatedData
 from ..errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from ..models import FlatModel, build_model
+from ..provenance import provenance
+from ..report.plots import row_problem
 from ..sampling import Sampler
 from .clients import InProcessClients
-from .files import RESUMABLE_KEYS, ObservableLog, atomic_write, flatten_config, structure_mismatch
+from .files import RESUMABLE_KEYS, ObservableLog, append_line, atomic_write, flatten_config, structure_mismatch
+from .folder import mark, root_of
 from .server import RoundStats, Server, _sync, metrics_row
 
 TIMING_KEYS = ("wall_s", "server_s", "eval_s")  # measure the machine, not the algorithm
@@ -50,6 +53,7 @@ class RunFiles(Observer):
         if resumed:
             return
         (run.out / FAILED_FILE).unlink(missing_ok=True)
+        mark(run.out)
         atomic_write(run.out / "config.yaml", dump_config(run.cfg).encode())
         d = run.data
         info = {"dataset": d.name, "num_classes": d.num_classes, "train_counts": d.train_counts.tolist(),
@@ -72,8 +76,7 @@ class MetricsFile(Observer):
 
     def round_done(self, run, rnd, stats, row):
         if row is not None:
-            with open(run.metrics_path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_line(run.metrics_path, json.dumps(row))
 
 
 class Observables(Observer):
@@ -112,7 +115,7 @@ class ProgressBar(Observer):
 
     def round_done(self, run, rnd, stats, row):
         if row is not None:
-            self.bar.set_postfix(pacc=f"{row['personalized_acc']:.3f}", refresh=False)
+            self.bar.set_postfix(acc=f"{100 * row['personalized_acc']:.1f}%", refresh=False)  # % as in the tables
         self.bar.update(1)
 
     def close(self, run):
@@ -178,7 +181,7 @@ class Run:
         the file), checked against what this run's config builds, so a damaged, foreign or stale checkpoint is one
         line rather than a traceback or a silently different run."""
         path = self.ckpt_path
-        again = f"start it afresh with `pfedkit run ... --out {self.out.parent} --overwrite`"
+        again = f"start it afresh with `pfedkit run ... --out {root_of(self.out)} --overwrite`"
         try:
             ck = torch.load(path, map_location=self.device, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure to read it means the same to the user
@@ -201,10 +204,15 @@ class Run:
                    and k.split(".")[0] not in RESUMABLE_KEYS and mine.get(k) != theirs.get(k)]
         if changed:
             k = changed[0]
-            raise PfedkitError(f"cannot resume from {path}: it was written with {k}={theirs.get(k)!r} but "
-                               f"{self.out / 'config.yaml'} says {mine.get(k)!r}"
-                               f"{f' (and {len(changed) - 1} more keys differ)' if len(changed) > 1 else ''}; "
-                               f"restore the config or {again}")
+            more = f" (and {len(changed) - 1} more keys differ)" if len(changed) > 1 else ""
+            if k not in theirs or k not in mine:  # another pfedkit's keys: no edit of config.yaml can restore them
+                had = f"without config key {k} (this one's default: {short_repr(mine[k])})" if k in mine else \
+                    f"with config key {short_repr(k)}={short_repr(theirs[k])}, which this pfedkit does not have"
+                raise PfedkitError(f"cannot resume from {path}: it was written by a pfedkit {had}{more}; resume it "
+                                   f"with the pfedkit that wrote it, or {again}")
+            raise PfedkitError(f"cannot resume from {path}: it was written with {k}={short_repr(theirs.get(k))} but "
+                               f"{self.out / 'config.yaml'} says {short_repr(mine.get(k))}{more}; restore the config or "
+                               f"{again}")
         init = self.model.state()
         expected = {"server": self.algo.init_server(init), "clients": self.clients.init_states(init),
                     "sampler": self.sampler.init_state(self.model.param_size, init),
@@ -215,7 +223,7 @@ class Run:
                 raise PfedkitError(f"cannot resume from {path}: {problem} (another model, dataset or client count?); "
                                    f"{again}")
         totals = ck["totals"]
-        if not (isinstance(ck["metrics"], list) and all(isinstance(r, dict) for r in ck["metrics"])
+        if not (isinstance(ck["metrics"], list) and all(row_problem(r) is None for r in ck["metrics"])
                 and isinstance(totals, dict) and isinstance(totals.get("round"), int)
                 and 0 <= totals["round"] <= self.cfg.rounds):
             raise PfedkitError(f"cannot resume from {path}: its metrics or round counter are damaged; {again}")
@@ -224,7 +232,8 @@ class Run:
     def save_checkpoint(self) -> None:
         checkpoint = {"server": self.server.state, "clients": self.clients.state(),
                       "sampler": self.server.sampler_state, "metrics": self.metrics, "totals": self.totals,
-                      "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(), "layout": self.model.layout}
+                      "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(), "layout": self.model.layout,
+                      "pfedkit": provenance()}
         atomic_write(self.ckpt_path, lambda fh: torch.save(checkpoint, fh))
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -311,7 +320,7 @@ class Run:
         last = self.metrics[-1]
         tail = self.metrics[-5:]
         return {
-            "algorithm": self.cfg.algorithm, "dataset": self.data.name, "seed": self.cfg.seed,
+            "algorithm": self.cfg.algorithm, "dataset": self.data.name, "seed": self.cfg.seed, "pfedkit": provenance(),
             "rounds": self.cfg.rounds,
             **{k: v for k, v in last.items() if k not in ("bytes_up", "bytes_down")},
             "final_last5": float(np.mean([r["personalized_acc"] for r in tail])),

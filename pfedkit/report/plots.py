@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import short_repr
 from ..errors import PfedkitError
 
 
@@ -23,15 +24,20 @@ class _Pyplot:
 plt = _Pyplot()
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def save_figure(fig, path: Path) -> Path:
+    """Written whole or not at all (a full disk keeps the previous figure), the error naming the file; a legend
+    placed beside the axes is inside the picture (bbox 'tight')."""
+    from ..engine.files import atomic_write
+    try:
+        fig.tight_layout()
+        atomic_write(Path(path), lambda fh: fig.savefig(fh, format="png", dpi=110, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
     return Path(path)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's rows; a line that is not a JSON row (a run killed mid-write, an edit) is one PfedkitError."""
+    """metrics.jsonl's rows; a line that is not a metrics row (a run killed mid-write, an edit) is one PfedkitError."""
     path = Path(run_dir) / "metrics.jsonl"
     rows = []
     for i, line in enumerate(path.read_bytes().splitlines(), 1):
@@ -39,9 +45,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
             continue
         try:
             row = json.loads(line)
-            problem = None if isinstance(row, dict) and "round" in row else "is not a metrics row (no 'round')"
+            problem = row_problem(row)
         except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
             problem = "is not valid JSON (truncated file?)"
+        except RecursionError:  # json's decoder recurses once per level of nesting
+            problem = "nests lists or objects too deeply (not a metrics row)"
         if problem:
             raise PfedkitError(f"{path}: line {i} {problem}; finish the run with `pfedkit run --resume "
                                f"{path.parent}`, which rewrites the log from its checkpoint, or delete that line")
@@ -49,21 +57,79 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-def _curves(ax_acc, ax_loss, rows: list[dict], label: str, color=None) -> None:
+# what the figures draw: numbers, or null where a run has none (no global model, no train loss logged)
+DRAWN = ("global_acc", "train_loss", "personalized_train_loss", "global_train_loss")
+
+
+def row_problem(row) -> str | None:
+    """Why `row` is not a metrics row as a run writes it (a whole round, a personalized accuracy, numbers or null in
+    what is drawn), or None: a figure never draws a string, and a resumed run never continues from such a row."""
+    if not isinstance(row, dict):
+        return f"is not a metrics row (a JSON object): {short_repr(row)}"
+    if "round" not in row:
+        return "is not a metrics row (no 'round')"
+    if not (isinstance(row["round"], int) and not isinstance(row["round"], bool)):
+        return f"is not a metrics row: its 'round' is {short_repr(row['round'])}, not a whole number"
+    for key in ("personalized_acc", *DRAWN):
+        value = row.get(key)
+        if (key == "personalized_acc" or value is not None) and not _is_number(value):
+            found = "missing" if key not in row else f"{short_repr(value)}, not a number"
+            return f"is not a metrics row: its '{key}' is {found}"
+    return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# A colour of its own for each run of a figure (13 methods and more): tab10, then three that none of it resembles;
+# past those, the colours come back with a dash-dot line
+PALETTE = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+           "tab:olive", "tab:cyan", "black", "navy", "magenta"]
+
+
+def style(i: int) -> dict:
+    """The i-th run's colour (and, past the palette, line style) in a figure of several runs."""
+    return {"color": PALETTE[i % len(PALETTE)], "linestyle": "-" if i < len(PALETTE) else "-."}
+
+
+def percent(values) -> list:
+    """Accuracies as percentages, as every table and the progress bar show them (None stays a gap)."""
+    return [None if v is None else 100 * v for v in values]
+
+
+def _curves(ax_acc, ax_loss, rows: list[dict], label: str, i: int = 0) -> None:
+    """One run's curves: its personalized accuracy (solid, labelled) and its global model's (dashed, the same
+    colour, unlabelled: the titles say which is which, and the legend stays one entry a run)."""
     rounds = [r["round"] for r in rows]
-    line, = ax_acc.plot(rounds, [r["personalized_acc"] for r in rows], label=f"{label} personalized", color=color)
-    if rows and rows[-1]["global_acc"] is not None:
-        ax_acc.plot(rounds, [r["global_acc"] for r in rows], "--", color=line.get_color(), label=f"{label} global")
+    look = style(i)
+    ax_acc.plot(rounds, percent(r["personalized_acc"] for r in rows), label=label, **look)
+    dashed = {**look, "linestyle": "--"}
+    if rows and rows[-1].get("global_acc") is not None:
+        ax_acc.plot(rounds, percent(r.get("global_acc") for r in rows), **dashed)
     if ax_loss is None:
         return
     if rows and rows[-1].get("personalized_train_loss") is not None:  # eval_train: the models' loss on train data
-        ax_loss.plot(rounds, [r["personalized_train_loss"] for r in rows], color=line.get_color(),
-                     label=f"{label} personalized")
+        ax_loss.plot(rounds, [r.get("personalized_train_loss") for r in rows], **look)
         if rows[-1].get("global_train_loss") is not None:
-            ax_loss.plot(rounds, [r["global_train_loss"] for r in rows], "--", color=line.get_color(),
-                         label=f"{label} global")
-    elif any(r["train_loss"] is not None for r in rows):
-        ax_loss.plot(rounds, [r["train_loss"] for r in rows], color=line.get_color(), label=label)
+            ax_loss.plot(rounds, [r.get("global_train_loss") for r in rows], **dashed)
+    elif any(r.get("train_loss") is not None for r in rows):
+        ax_loss.plot(rounds, [r.get("train_loss") for r in rows], **look)
+
+
+def _rounds_axis(*axes) -> None:
+    """Rounds are whole numbers: no tick at round 1.5."""
+    from matplotlib.ticker import MaxNLocator
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend_beside(labelled, right) -> None:
+    """The runs of axes `labelled`, one entry each, to the right of axes `right` (the figure's last panel): off
+    every curve."""
+    handles, labels = labelled.get_legend_handles_labels()
+    if handles:
+        right.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
 def plot_accuracy(run_dir: Path) -> Path:
@@ -71,12 +137,13 @@ def plot_accuracy(run_dir: Path) -> Path:
     rows = read_metrics(run_dir)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     _curves(ax, ax2, rows, run_dir.name)
-    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)", title="accuracy")
+    ax.set(xlabel="round", ylabel="test accuracy % (mean over clients)",
+           title="personalized (solid) and global (dashed) accuracy")
     ax2.set(xlabel="round", ylabel="train loss", title="local training loss")
     ax.grid(alpha=0.3)
     ax2.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, run_dir / "accuracy.png")
+    _rounds_axis(ax, ax2)
+    return save_figure(fig, run_dir / "accuracy.png")
 
 
 def plot_partition(run_dir: Path) -> Path:
@@ -100,21 +167,23 @@ def plot_partition(run_dir: Path) -> Path:
         fig.colorbar(im, ax=ax, label="train samples")
         ax.set(xlabel="client", ylabel="class")
     ax.set_title(f"{info['dataset']}: classes per client")
-    return _save(fig, run_dir / "partition.png")
+    return save_figure(fig, run_dir / "partition.png")
 
 
 def plot_comparison(out_dir: Path, run_dirs: list[Path]) -> Path:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for run_dir in run_dirs:
-        _curves(ax, ax2, read_metrics(run_dir), Path(run_dir).name)
-    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)",
+    for i, run_dir in enumerate(run_dirs):
+        _curves(ax, ax2, read_metrics(run_dir), Path(run_dir).name, i)
+    ax.set(xlabel="round", ylabel="test accuracy % (mean over clients)",
            title="personalized (solid) and global (dashed) accuracy")
     ax2.set(xlabel="round", ylabel="train loss", title="training loss")
-    ax2.set_yscale("log")
+    if any(line.get_ydata().size for line in ax2.lines):
+        ax2.set_yscale("log")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
-        a.legend(fontsize=7)
-    return _save(fig, Path(out_dir) / "comparison.png")
+    _rounds_axis(ax, ax2)
+    _legend_beside(ax, ax2)
+    return save_figure(fig, Path(out_dir) / "comparison.png")
 
 
 def plot_run(run_dir: Path, layer: str | None = None, client: int = 0) -> list[Path]:
@@ -137,29 +206,28 @@ def plot_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list[
     """Mean over seeds per round with a ± sample std band, one line per algorithm: personalized accuracy, and the
     global model's accuracy for the algorithms that have one (pFedCS's claim is about the global model)."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for name in algorithms:
+    for i, name in enumerate(algorithms):
         runs = [read_metrics(d / name) for d in seed_dirs if (d / name / "summary.json").is_file()]  # finished
         if not runs:
             continue
         length = min(len(r) for r in runs)
         rounds = [row["round"] for row in runs[0][:length]]
-        color = None
+        look = style(i)
         for key, axis in (("personalized_acc", ax), ("global_acc", ax2)):
-            if any(r[length - 1][key] is None for r in runs):
+            if any(r[length - 1].get(key) is None for r in runs):
                 continue
-            acc = np.array([[row[key] for row in r[:length]] for r in runs], dtype=float)
+            acc = 100 * np.array([[row.get(key) for row in r[:length]] for r in runs], dtype=float)
             mean, std = seed_band(acc)
-            line, = axis.plot(rounds, mean, color=color, label=f"{name} ({len(runs)} seeds, ± sample std)")
-            color = line.get_color()
-            axis.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2)
-    ax.set(xlabel="round", ylabel="test accuracy (mean over clients)",
+            axis.plot(rounds, mean, label=f"{name} ({len(runs)} seeds)" if axis is ax else "_", **look)
+            axis.fill_between(rounds, mean - std, mean + std, color=look["color"], alpha=0.2)
+    ax.set(xlabel="round", ylabel="test accuracy % (mean over clients)",
            title="personalized, mean ± sample std over seeds")
     ax2.set(xlabel="round", title="global model, mean ± sample std over seeds")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
-        if a.lines:
-            a.legend(fontsize=8)
-    return _save(fig, Path(out_dir) / "comparison.png")
+    _rounds_axis(ax, ax2)
+    _legend_beside(ax, ax2)
+    return save_figure(fig, Path(out_dir) / "comparison.png")
 
 
 # ---- pFedLA's aggregation weights (the paper's Figs. 5-7) -----------------------------------------------------------
@@ -204,17 +272,26 @@ def plot_alpha(run_dir: Path, layer: str | None = None, client: int = 0) -> list
     if layer not in layers:
         raise ValueError(f"layer {layer!r} is not one of {', '.join(layers)}")
     paths = []
+    part = json.loads((run_dir / "partition.json").read_text())
 
-    fig, ax = plt.subplots(figsize=(5.2 + 0.1 * n, 4.5 + 0.1 * n))
-    im = ax.imshow(final[:, layers.index(layer), :], cmap="viridis", vmin=0)
+    # Many clients: ordered by their label sets, so clients that learn the same classes form visible blocks (the
+    # structure the paper's Fig. 6 shows at 10 clients), in a picture of bounded size
+    many = n > 30
+    order = sorted(range(n), key=lambda i: (sorted(part["label_sets"][i]), i)) if many else list(range(n))
+    side = min(4.5 + 0.1 * n, 9.0)
+    fig, ax = plt.subplots(figsize=(side + 0.7, side))
+    im = ax.imshow(final[:, layers.index(layer), :][np.ix_(order, order)], cmap="viridis", vmin=0,
+                   interpolation="nearest")
     fig.colorbar(im, ax=ax, label="aggregation weight")
-    ax.set(xlabel="source client j", ylabel="target client i", title=f"{layer}: weights α_i[j] at round {rounds[-1]}")
+    how = " (clients ordered by label set)" if many else ""
+    ax.set(xlabel="source client j", ylabel="target client i",
+           title=f"{layer}: weights α_i[j] at round {rounds[-1]}{how}")
     if n <= 12:
         ax.set_xticks(range(n))
         ax.set_yticks(range(n))
-    paths.append(_save(fig, run_dir / "alpha_heatmap.png"))
+    paths.append(save_figure(fig, run_dir / "alpha_heatmap.png"))
 
-    fig, ax = plt.subplots(figsize=(5.2 + 0.15 * n, 1.5 + 0.45 * len(layers)))
+    fig, ax = plt.subplots(figsize=(min(5.2 + 0.15 * n, 14.0), 1.5 + 0.45 * len(layers)))
     im = ax.imshow(final[client], cmap="viridis", vmin=0, aspect="auto")
     fig.colorbar(im, ax=ax, label="aggregation weight")
     ax.set_yticks(range(len(layers)), layers)
@@ -225,9 +302,8 @@ def plot_alpha(run_dir: Path, layer: str | None = None, client: int = 0) -> list
         for l in range(len(layers)):
             for j in range(n):
                 ax.text(j, l, f"{final[client, l, j]:.2f}", ha="center", va="center", fontsize=7, color="white")
-    paths.append(_save(fig, run_dir / "alpha_layers.png"))
+    paths.append(save_figure(fig, run_dir / "alpha_layers.png"))
 
-    part = json.loads((run_dir / "partition.json").read_text())
     groups = client_groups(part["label_sets"], client)
     series = np.stack([a[client].mean(0) for a in alphas])  # (evaluations, N): averaged over layers
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -239,5 +315,5 @@ def plot_alpha(run_dir: Path, layer: str | None = None, client: int = 0) -> list
            title=f"client {client} (labels {part['label_sets'][client]}): whom it aggregates")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(_save(fig, run_dir / "alpha_evolution.png"))
+    paths.append(save_figure(fig, run_dir / "alpha_evolution.png"))
     return paths

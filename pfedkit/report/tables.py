@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.files import atomic_write
 from ..errors import FAILED_FILE
 
 
@@ -46,7 +47,7 @@ def write_comparison(out_dir: Path, run_dirs: list[Path], header: str = "") -> P
         elif (d / FAILED_FILE).is_file():
             summaries.append({"algorithm": d.name, "failed": (d / FAILED_FILE).read_text()})
     path = Path(out_dir) / "comparison.md"
-    path.write_text(comparison_markdown(summaries, header))
+    atomic_write(path, comparison_markdown(summaries, header).encode())
     return path
 
 
@@ -87,5 +88,5 @@ def write_seed_comparison(out_dir: Path, seed_dirs: list[Path], algorithms: list
               "client sampling and batches). Accuracies are unweighted means over all clients; see each seed's "
               "comparison.md for the spread over clients.", ""]
     path = Path(out_dir) / "comparison.md"
-    path.write_text("\n".join(lines))
+    atomic_write(path, "\n".join(lines).encode())
     return path
