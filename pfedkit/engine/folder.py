@@ -19,6 +19,7 @@ from typing import Iterator
 
 from ..errors import PfedkitError
 from ..provenance import describe, provenance
+from .files import atomic_write
 
 MARKER = ".pfedkit-run"
 LOCK = ".pfedkit.lock"
@@ -37,7 +38,6 @@ def is_marked(folder: Path) -> bool:
 
 def mark(folder: Path) -> None:
     """Record that pfedkit (this one) made `folder`."""
-    from .files import atomic_write
     atomic_write(Path(folder) / MARKER, json.dumps({"pfedkit": provenance()}).encode())
 
 
