@@ -1,13 +1,13 @@
-"""pFedHN (Shamsian et al., "Personalized Federated Learning using Hypernetworks", ICML 2021; specs §2), as the
+"""pFedHN (Shamsian et al., "Personalized Federated Learning using Hypernetworks", ICML 2021), as the
 official trainer does it (AvivSham/pFedHN `experiments/pfedhn/{models,trainer}.py`), on pfedkit's round protocol.
 
 One hypernetwork on the server generates every client's whole model: client i's embedding v_i (dim
 int(1 + N/4) by default) -> Linear(e, 100) -> n_hidden x [ReLU, Linear(100, 100)] -> one linear head per target
-tensor (specs §2.2). The heads are stored concatenated as one Linear(100, P_gen): the same function and the same
+tensor. The heads are stored concatenated as one Linear(100, P_gen): the same function and the same
 default init (every head's fan-in is the hidden width), but one product generates all tensors. Init: PyTorch's
 default Linear init (U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases), N(0, 1) embeddings.
 
-A round (specs §2.3, batched over the round's C clients):
+A round (batched over the round's C clients):
 - `payloads`: one batched forward (C, e) -> (C, P_gen); each client gets its generated parameters by layer.
 - client: writes them over its own vector, trains them with SGD (`inner_lr` or local.lr, momentum
   `inner_momentum`, weight decay `inner_weight_decay`, the loss gradient clipped to `inner_clip` as
@@ -18,11 +18,11 @@ A round (specs §2.3, batched over the round's C clients):
   hypernetwork gradient is the vector-Jacobian product g_c = J_c^T delta_c, clipped to total norm `hn_clip` as
   the official trainer clips each one-client step: scaled by s_c = min(1, hn_clip / (||g_c|| + 1e-6)). The round's
   gradient is sum_c s_c g_c (first-order the same as serving the clients one after another, as the official
-  trainer does; `sequential: true` serves them so), taken by torch.optim.SGD's rule (d = g + wd p,
-  buf = momentum buf + d, p -= lr buf; the embedding table with `embed_lr`) or torch.optim.Adam's
-  (`hn_optimizer: adam`: weight decay added to the gradient, bias-corrected moments; the official Adam option has
-  no weight decay: set hn_weight_decay=0 for it; `hn_momentum` is SGD's only). As in PyTorch, the embedding table's
-  gradient is nonzero only on the round's rows, but weight decay and momentum move every row.
+  trainer does; `sequential: true` serves them so), taken by torch.optim.SGD's rule with momentum and weight
+  decay (the embedding table with `embed_lr`) or Adam's (`hn_optimizer: adam`; the official Adam option has no
+  weight decay: set hn_weight_decay=0 for it): hypernet.HypernetOptimizer on the whole hypernetwork. As in
+  PyTorch, the embedding table's gradient is nonzero only on the round's rows, but weight decay and momentum move
+  every row.
   The gradient is backpropagated by hand, batched: the head's gradient is (s delta)^T F (F the clients' features,
   C x 100), and the MLP's (small) per-client backward signals give both the per-client norms, which are analytic
   (an outer product's norm is the product of the norms: ||delta_c||^2 (||f_c||^2 + 1) for the head and likewise
@@ -45,6 +45,7 @@ from ..config import at_least, choices
 from ..registry import register
 from ..train import Cohort, Objective
 from .base import Algorithm, Message, State, make_update
+from .hypernet import HypernetOptimizer
 from .split import Split, personal_layers
 
 
@@ -68,9 +69,6 @@ class PFedHNParams:
     sequential: bool = False  # the official trainer's one-client-at-a-time steps
 
 
-ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
-
-
 @register
 class PFedHN(Algorithm):
     name = "pfedhn"
@@ -91,6 +89,13 @@ class PFedHN(Algorithm):
         self.generated_size = offset
         self.embedding_dim = params.embedding_dim or int(1 + num_clients / 4)
         self.linear_keys = [(f"w{i}", f"b{i}") for i in range(params.n_hidden + 1)]
+
+    @property
+    def optimizer(self) -> HypernetOptimizer:
+        """The hypernetwork's optimizer (one step count for the whole network; the embedding table's own lr)."""
+        p = self.params
+        return HypernetOptimizer(p.hn_optimizer, p.hn_lr, p.hn_momentum, p.hn_weight_decay,
+                                 {"emb": p.embed_lr} if p.embed_lr else {}, velocity_key="hn_momentum")
 
     # -- the hypernetwork --------------------------------------------------------------------------------------
     def init_hypernetwork(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -156,39 +161,11 @@ class PFedHN(Algorithm):
         grads["emb"][idx] = scale * emb_signal  # a round's clients are distinct
         return grads
 
-    def step(self, state: State, grads: dict[str, torch.Tensor]) -> None:
-        """One optimizer step on every hypernetwork tensor: torch.optim.SGD's or Adam's rule, in place (the head is
-        the model's size x 100: every full-size temporary costs); `grads` is consumed."""
-        p = self.params
-        lrs = {k: (p.embed_lr or p.hn_lr) if k == "emb" else p.hn_lr for k in state["hn"]}
-        if p.hn_optimizer == "sgd":
-            for k, v in state["hn"].items():
-                d = grads[k].add_(v, alpha=p.hn_weight_decay)
-                if p.hn_momentum > 0:  # a zero buffer makes the first step buf = d, as PyTorch's
-                    d = state["hn_momentum"][k].mul_(p.hn_momentum).add_(d)
-                v.add_(d, alpha=-lrs[k])
-            return
-        (b1, b2), eps = ADAM_BETAS, ADAM_EPS
-        state["hn_steps"] += 1
-        t = float(state["hn_steps"])
-        for k, v in state["hn"].items():
-            g = grads[k].add_(v, alpha=p.hn_weight_decay)
-            m = state["hn_adam_m"][k].mul_(b1).add_(g, alpha=1 - b1)
-            s2 = state["hn_adam_v"][k].mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = s2.sqrt().div_(math.sqrt(1 - b2 ** t)).add_(eps)
-            v.addcdiv_(m, denom, value=-lrs[k] / (1 - b1 ** t))
-
     # -- protocol ----------------------------------------------------------------------------------------------
     def init_server(self, init: torch.Tensor) -> State:
         state = {"hn": self.init_hypernetwork(init)}
-        if self.params.hn_optimizer == "sgd":
-            if self.params.hn_momentum > 0:
-                state["hn_momentum"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
-        else:
-            state["hn_adam_m"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
-            state["hn_adam_v"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
-            state["hn_steps"] = torch.zeros((), dtype=torch.float64, device=init.device)
-        return state
+        steps = torch.zeros((), dtype=torch.float64, device=init.device)  # one hypernetwork: one step count
+        return state | self.optimizer.init_state(state["hn"], steps)
 
     def payloads(self, state: State, cids: list[int], rnd: int) -> dict[int, Message]:
         generated = self.generate(state, cids)
@@ -226,7 +203,7 @@ class PFedHN(Algorithm):
         delta = torch.cat([updates[c][name] for c in cids for name, _, _ in self.parts]).view(len(cids), -1)
         idx = torch.as_tensor(cids, device=delta.device)
         with torch.no_grad():
-            self.step(state, self.hn_gradient(state["hn"], idx, delta))
+            self.optimizer.step(state, self.hn_gradient(state["hn"], idx, delta))
         return state
 
     def describe(self) -> dict:

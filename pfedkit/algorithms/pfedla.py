@@ -1,23 +1,23 @@
 """pFedLA and HeurpFedLA (Ma et al., "Layer-wised Model Aggregation for Personalized Federated Learning",
-CVPR 2022; specs §1).
+CVPR 2022).
 
-The server keeps every client's latest vector (Theta, N x D) and one hypernetwork per client:
-embedding v_i (dim 100) -> 3 x (Linear 100, ReLU) -> one head per layer with N outputs (weights U(0,1), bias 0)
--> ReLU -> divided by the sum over clients (one-hot self if the sum is 0). Client i's personalized layer l is
-sum_j alpha_i[l, j] theta_j[l]: for all sampled clients at once, one matrix product per layer. After local SGD the
-sampled clients' hypernetworks take one optimizer step (Adam by default, plain SGD as in the reference code with
-`hn_optimizer: sgd`) on the vector-Jacobian product with
-delta = theta_sent - theta_trained (the pFedHN convention, descent on the client loss; specs §1.6 — the unofficial
-reference code uses new - old, an ascent: `delta_sign: new_minus_old` reproduces it). The gradient with respect
-to alpha_l is Delta_l Theta_l^T, so autograd only runs through the small hypernetworks, never the N x P mixture.
+The server keeps every client's latest vector (Theta, N x D) and one hypernetwork per client: embedding v_i
+(dim 100) -> 3 x (Linear 100, ReLU) -> one head per layer with N outputs (weights U(0,1), bias 0) -> ReLU -> divided
+by the sum over clients (one-hot self if the sum is 0). The hypernetworks are stored stacked (a leading client axis)
+and run as one batch for a round's clients.
 
-The hypernetworks are stored stacked (a leading client axis); a round gathers the sampled clients' rows, runs
-them as one batch, and writes the updated rows back, so every client's optimizer state (momentum, or Adam's moments
-and step count) stays its own.
+- `payloads`: client i's personalized layer l is sum_j alpha_i[l, j] theta_j[l]: for all sampled clients at once,
+  A_l Theta_l, one matrix product per layer (DESIGN.md, "pFedLA on the server, as matrix products").
+- `aggregate`: each trained client's hypernetwork takes one optimizer step (Adam per client by default, the
+  reference code's plain SGD with `hn_optimizer: sgd`; hypernet.HypernetOptimizer) on the vector-Jacobian product
+  of its personalized parameters with delta = theta_sent - theta_trained (the pFedHN convention, descent on the
+  client loss; the unofficial reference code uses new - old, an ascent: `delta_sign: new_minus_old` reproduces
+  it). The gradient with respect to A_l is Delta_l Theta_l^T, so autograd runs only through the small
+  hypernetworks, never the N x P mixture. Theta's rows become the trained vectors.
 
-HeurpFedLA (k > 0): per client, the k layers with the highest self-weight are kept local: not aggregated, not
-sent down (the client fills them from its own copy), and their heads get no gradient. BatchNorm running
-statistics are never aggregated: each client keeps its own.
+HeurpFedLA (k > 0): per client, the k layers with the highest self-weight are kept local: not aggregated, not sent
+down (the client fills them from its own copy), and their heads get no gradient. BatchNorm running statistics are
+never aggregated: each client keeps its own.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from ..models import FlatModel
 from ..registry import register
 from ..train import Cohort
 from .base import Algorithm, Message, State, make_update
+from .hypernet import HypernetOptimizer, PayloadCache, blocks, clients_per_block, rows_of
 from .split import fill
 
 HN_KEYS = ("emb", "w1", "b1", "w2", "b2", "w3", "b3", "head_w", "head_b")
@@ -66,28 +67,6 @@ class HeurPFedLAParams(PFedLAParams):
     k: int = at_least(0, 1)
 
 
-@dataclass
-class Sent:
-    """What a training round's payloads were built from (PFedLA.sent)."""
-    cids: list[int]
-    raw: torch.Tensor  # raw head outputs (clients, layers, N)
-    mixed: torch.Tensor  # the personalized parameters (clients, P)
-    versions: StateVersions
-
-
-class StateVersions:
-    """The server state's tensors and the mixture, and how often each was changed in place: equal only to the same
-    tensors (held, so that no new tensor can take their place) at the same versions."""
-
-    def __init__(self, state: State, mixed: torch.Tensor):
-        self.tensors = [state["theta"], mixed, *state["hn"].values()]
-        self.counts = [t._version for t in self.tensors]
-
-    def __eq__(self, other) -> bool:
-        return len(self.tensors) == len(other.tensors) and self.counts == other.counts and \
-            all(a is b for a, b in zip(self.tensors, other.tensors))
-
-
 def layer_groups(model: FlatModel, granularity: str) -> list[tuple[str, slice]]:
     """The units that get one hypernetwork head each: a parameterized module (weight and bias together), a block
     (a conv/linear layer with the normalization layer after it), or every parameter tensor."""
@@ -116,8 +95,6 @@ class PFedLA(Algorithm):
         if params.k > len(self.groups):
             raise ConfigError(f"config key '{self.name}.k': {params.k} is more than the model's "
                               f"{len(self.groups)} layers; allowed: 0 to {len(self.groups)}")
-        self.sequential = params.sequential
-        self._sent: Sent | None = None  # the last round's payloads, for aggregate (never saved: a checkpoint has none)
         if params.hn_optimizer != "sgd" and params.hn_momentum > 0:
             raise ConfigError(f"config key '{self.name}.hn_momentum': {params.hn_momentum} applies to "
                               f"hn_optimizer: sgd only; allowed with {params.hn_optimizer}: 0")
@@ -125,8 +102,15 @@ class PFedLA(Algorithm):
             # plain SGD's steps shrink like 1/N^2: below bfloat16's half-ulp of the heads they would round away
             raise ConfigError(f"config key '{self.name}.hn_dtype': bfloat16 needs hn_optimizer: adam (plain SGD's "
                               f"small steps round away in bfloat16); allowed with sgd: float32")
+        self.sequential = params.sequential
+        self.sent = PayloadCache()  # a training round's raw weights and mixture, for its aggregate
 
-    # -- hypernetworks -----------------------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> HypernetOptimizer:
+        """The hypernetworks' optimizer, one row (and its state) per client."""
+        return HypernetOptimizer(self.params.hn_optimizer, self.params.hn_lr, self.params.hn_momentum)
+
+    # -- the hypernetworks -------------------------------------------------------------------------------------
     def init_hypernetworks(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
         n, e, h, layers = self.num_clients, self.params.embedding_dim, self.params.hidden_dim, len(self.groups)
         gen = torch.Generator().manual_seed(self.seed + 7919)
@@ -138,20 +122,11 @@ class PFedLA(Algorithm):
         for i, fan_in in ((1, e), (2, h), (3, h)):
             hn[f"w{i}"] = uniform((n, h, fan_in), 1 / math.sqrt(fan_in))
             hn[f"b{i}"] = uniform((n, h), 1 / math.sqrt(fan_in))
-        # U(0, 1) heads: kaiming init can give all-negative outputs, i.e. all-zero weights after the ReLU (specs §1.2)
+        # U(0, 1) heads: kaiming init can give all-negative outputs, i.e. all-zero weights after the ReLU
         hn["head_w"] = torch.rand(n, layers, n, h, generator=gen)
         hn["head_b"] = torch.zeros(n, layers, n)
-        return {k: v.to(device=like.device, dtype=self.storage_dtype(like)) for k, v in hn.items()}
-
-    def storage_dtype(self, like: torch.Tensor) -> torch.dtype:
-        return torch.bfloat16 if self.params.hn_dtype == "bfloat16" else like.dtype
-
-    @staticmethod
-    def rows(hn: dict[str, torch.Tensor], idx: torch.Tensor | slice, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The given clients' hypernetworks, in the compute dtype: for an index tensor a copy (what autograd and the
-        optimizer step work on; the stored rows are never computed on), for a slice in the storage dtype a view
-        (read only, no copy)."""
-        return {k: v[idx].to(dtype) for k, v in hn.items()}
+        dtype = torch.bfloat16 if self.params.hn_dtype == "bfloat16" else like.dtype
+        return {k: v.to(device=like.device, dtype=dtype) for k, v in hn.items()}
 
     @staticmethod
     def raw_weights(hn: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -176,39 +151,23 @@ class PFedLA(Algorithm):
         return alpha, retained
 
     def mix(self, theta: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """Personalized parameters of the given clients, (clients, P): one product per layer."""
+        """Personalized parameters of the given clients, (clients, P): A_l Theta_l, one product per layer."""
         out = theta.new_empty(alpha.shape[0], self.model.param_size)
         for l, (_, s) in enumerate(self.groups):
             out[:, s] = alpha[:, l, :] @ theta[:, s]
         return out
 
-    BLOCK_BYTES = 8 << 20  # hypernetwork heads the server works on at once (4 clients at N = 1,000, all at N = 100)
-
     def block(self) -> int:
-        """Clients per block of the server's hypernetwork work: every block's tensors (a few times its heads) stay
-        in the 32 MB cache and are below glibc's mmap threshold, so they are reused instead of page-faulted anew
-        (at N = 1,000 a client's heads are 2 MB; whole 200 MB tensors per round took 1.6-4.5 s, measured)."""
-        per_client = len(self.groups) * self.num_clients * self.params.hidden_dim * 4
-        return max(1, self.BLOCK_BYTES // per_client)
-
-    def parts(self, cids: list[int], device: torch.device):
-        """The given clients in blocks: (positions in cids, what reads their rows: a slice for a consecutive run,
-        read in place, else an index tensor, whose rows are gathered)."""
-        first = cids[0] if cids else 0
-        consecutive = list(cids) == list(range(first, first + len(cids)))
-        idx = torch.as_tensor(cids, dtype=torch.long, device=device)
-        size = self.block()
-        for a in range(0, len(cids), size):
-            end = min(a + size, len(cids))
-            yield slice(a, end), (slice(first + a, first + end) if consecutive else idx[a: end])
+        """Clients per block of the server's hypernetwork work (a client's heads: layers x N x hidden floats)."""
+        return clients_per_block(len(self.groups) * self.num_clients * self.params.hidden_dim * 4)
 
     def raw_of(self, state: State, cids: list[int]) -> torch.Tensor:
-        """The given clients' raw head outputs (clients, layers, N), without autograd. The rows are read block by
-        block (parts): gathering all 1,000 clients' heads first was a 2 GB copy, 4.4 s of an evaluation at
-        N = 1,000 (measured)."""
+        """The given clients' raw head outputs (clients, layers, N), without autograd, read block by block:
+        gathering all 1,000 clients' heads first would copy 2 GB (benchmarks/bench_pfedla_server.py)."""
         theta = state["theta"]
         with torch.no_grad():
-            raw = [self.raw_weights(self.rows(state["hn"], part, theta.dtype)) for _, part in self.parts(cids, theta.device)]
+            raw = [self.raw_weights(rows_of(state["hn"], part, theta.dtype))
+                   for _, part in blocks(cids, self.block(), theta.device)]
         return torch.cat(raw) if raw else state["hn"]["head_b"][:0].to(theta.dtype)
 
     def _weights_of(self, state: State, cids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,13 +180,8 @@ class PFedLA(Algorithm):
     # -- protocol ----------------------------------------------------------------------------------------------
     def init_server(self, init: torch.Tensor) -> State:
         state = {"theta": init.repeat(self.num_clients, 1), "hn": self.init_hypernetworks(init)}
-        if self.params.hn_momentum > 0:
-            state["hn_velocity"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
-        if self.params.hn_optimizer == "adam":  # per client: its own moments and its own step count
-            state["hn_adam_m"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
-            state["hn_adam_v"] = {k: torch.zeros_like(v) for k, v in state["hn"].items()}
-            state["hn_steps"] = torch.zeros(self.num_clients, dtype=init.dtype, device=init.device)
-        return state
+        steps = torch.zeros(self.num_clients, dtype=init.dtype, device=init.device)  # each client its own t
+        return state | self.optimizer.init_state(state["hn"], steps)
 
     def init_client(self, cid: int, init: torch.Tensor) -> State:
         return {"weights": init.clone()}
@@ -238,14 +192,13 @@ class PFedLA(Algorithm):
         alpha, retained = self.mixing_weights(raw, idx)
         mixed = self.mix(state["theta"], alpha)
         if rnd > 0:  # a training round: aggregate's gradient needs these weights and this mixture again
-            self._sent = Sent(list(cids), raw, mixed, StateVersions(state, mixed))
+            self.sent.put(cids, self.sources(state), raw, mixed)
         kept = retained.tolist()
         return {cid: {name: mixed[r, s] for l, (name, s) in enumerate(self.groups) if not kept[r][l]}
                 for r, cid in enumerate(cids)}
 
     def starts(self, payloads: list[Message], cstates: list[State]) -> torch.Tensor:
-        """Each client's own vector (kept layers, BN statistics) with the sent layers written in: (C, D) (the
-        shared/personal mechanism of split.py, with a split that changes per client and round)."""
+        """Each client's own vector (kept layers, BN statistics) with the sent layers written in: (C, D)."""
         return torch.stack([fill(s["weights"], p, self.slices) for p, s in zip(payloads, cstates)])
 
     def client_update(self, payloads: list[Message], cstates: list[State], cohort: Cohort):
@@ -254,21 +207,22 @@ class PFedLA(Algorithm):
             [{"weights": w.clone()} for w in trained]
 
     def evaluated_models(self, payloads, cstates, cohort):
-        """The personalized layers over the client's own kept layers and BN statistics (its latest trained vector,
-        which the server's Theta row also holds)."""
+        """The personalized layers over the client's own kept layers and BN statistics."""
         return list(self.starts(payloads, cstates))
 
+    def sources(self, state: State) -> list[torch.Tensor]:
+        """What the payloads are computed from: while none of it changes, aggregate reuses them."""
+        return [state["theta"], *state["hn"].values()]
+
     def hn_gradients(self, state: State, cids: list[int], trained: torch.Tensor):
-        """Gradients of the given clients' hypernetworks, block by block (parts): yields (positions in cids, the
-        rows' gradients, the rows they were taken at: a copy in the compute dtype, which the optimizer step then
-        updates and stores). The vector-Jacobian product of their personalized parameters with delta = sent -
-        trained, in two stages: through the normalization for all clients at once (small: clients x layers x N),
-        then through each block's hypernetworks."""
+        """The vector-Jacobian product of the given clients' personalized parameters with delta, block by block:
+        yields (positions in cids, the rows' gradients, the rows they were taken at: a copy in the compute dtype,
+        for the optimizer to update). First through the normalization for all clients at once (small: clients x
+        layers x N), then through each block's hypernetworks."""
         theta = state["theta"]
         idx = torch.as_tensor(cids, device=theta.device)
-        raw, mixed = self.sent(state, cids)
-        raw = (self.raw_of(state, cids) if raw is None else raw).requires_grad_(True)  # what the payloads came from
-        alpha, _ = self.mixing_weights(raw, idx)
+        raw, mixed = self.sent.take(cids, self.sources(state)) or (self.raw_of(state, cids), None)
+        alpha, _ = self.mixing_weights(raw.requires_grad_(True), idx)
         with torch.no_grad():
             delta = (self.mix(theta, alpha) if mixed is None else mixed) - trained[:, : self.model.param_size]
             if self.params.delta_sign == "new_minus_old":  # (delta is old - new)
@@ -276,74 +230,22 @@ class PFedLA(Algorithm):
             # d<delta, theta_bar>/d alpha_l = Delta_l Theta_l^T: (clients, P_l) x (P_l, N), one product per layer
             grad_alpha = torch.stack([delta[:, s] @ theta[:, s].T for _, s in self.groups], dim=1)
         alpha.backward(grad_alpha)  # kept layers are constants (one-hot): their heads get no gradient
-        for at, _ in self.parts(cids, theta.device):
-            sub = {k: v.requires_grad_(True) for k, v in self.rows(state["hn"], idx[at], theta.dtype).items()}
+        for at, _ in blocks(cids, self.block(), theta.device):
+            sub = {k: v.requires_grad_(True) for k, v in rows_of(state["hn"], idx[at], theta.dtype).items()}
             self.raw_weights(sub).backward(raw.grad[at])
             yield at, {k: v.grad for k, v in sub.items()}, {k: v.detach() for k, v in sub.items()}
 
-    def sent(self, state: State, cids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The raw head outputs and the mixture the last training round's payloads were built from, in the order of
-        cids, and let go; (None, None) where those payloads did not cover these clients or the server state (or
-        the mixture, which the payloads are views of) changed since, which the tensors' version counters show.
-        Computing them again was 0.3 s of a 1.4 s server step at N = 1,000 (measured)."""
-        sent, self._sent = self._sent, None
-        if sent is None or sent.versions != StateVersions(state, sent.mixed) or not set(cids) <= set(sent.cids):
-            return None, None
-        if cids == sent.cids:
-            return sent.raw, sent.mixed
-        at = {c: r for r, c in enumerate(sent.cids)}
-        rows = torch.as_tensor([at[c] for c in cids], device=sent.raw.device)
-        return sent.raw[rows], sent.mixed[rows]
-
     def aggregate(self, state: State, updates: dict[int, Message], weights: dict[int, float], rnd: int) -> State:
         # every trained client updates its own hypernetwork; the sampler's weights play no part
-        cids, p = list(updates), self.params
+        cids = list(updates)
         trained = torch.stack([updates[c]["weights"] for c in cids])
         idx = torch.as_tensor(cids, device=trained.device)
         for at, grads, rows in self.hn_gradients(state, cids, trained):
             with torch.no_grad():
-                if p.hn_optimizer == "adam":
-                    self.adam_step(state, idx[at], grads, rows)
-                else:
-                    self.sgd_step(state, idx[at], grads)
+                self.optimizer.step(state, grads, idx[at], rows)
         with torch.no_grad():
             state["theta"][idx] = trained
         return state
-
-    def sgd_step(self, state: State, idx: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
-        """Plain SGD on the given clients' rows, each row with its own (optional) momentum."""
-        p = self.params
-        for k, v in state["hn"].items():
-            step = grads[k]
-            if p.hn_momentum > 0:
-                velocity = state["hn_velocity"][k]
-                velocity[idx] = (p.hn_momentum * velocity[idx] + step).to(v.dtype)
-                step = velocity[idx]
-            v[idx] -= p.hn_lr * step
-
-    ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
-
-    def adam_step(self, state: State, idx: torch.Tensor, grads: dict[str, torch.Tensor],
-                  rows: dict[str, torch.Tensor]) -> None:
-        """Adam on the given clients' rows (Kingma & Ba, bias-corrected), each client with its own moments and
-        step count: a client is stepped only when it trains, so its t counts its own rounds. `rows` are those
-        clients' hypernetworks in the compute dtype (hn_gradients' copy of a block), updated in place and stored back."""
-        (b1, b2), eps = self.ADAM_BETAS, self.ADAM_EPS
-        t = state["hn_steps"][idx] + 1
-        state["hn_steps"][idx] = t
-        for k, v in state["hn"].items():
-            g = grads[k]
-            shape = (-1,) + (1,) * (g.dim() - 1)  # t per client, broadcast over the row
-            # in place on the gathered rows, in the compute dtype, each stored once (rounded there for bfloat16):
-            # the one-expression form allocated six temporaries per tensor (5.1 s a round at N = 1,000, measured)
-            moment, second = state["hn_adam_m"][k], state["hn_adam_v"][k]
-            m = moment.index_select(0, idx).to(g.dtype).mul_(b1).add_(g, alpha=1 - b1)
-            s2 = second.index_select(0, idx).to(g.dtype).mul_(b2).addcmul_(g, g, value=1 - b2)
-            moment.index_copy_(0, idx, m.to(moment.dtype))
-            second.index_copy_(0, idx, s2.to(second.dtype))
-            denom = s2.div_((1 - b2 ** t).view(shape)).sqrt_().add_(eps)  # sqrt(s2_hat) + eps
-            step = m.div_((1 - b1 ** t).view(shape)).div_(denom)  # m_hat / (sqrt(s2_hat) + eps)
-            v.index_copy_(0, idx, rows[k].sub_(step, alpha=self.params.hn_lr).to(v.dtype))
 
     def personalized(self, state: State, cids: list[int]) -> torch.Tensor:
         """The vectors the given clients are evaluated with, as the server sees them: the mixed parameters over each
