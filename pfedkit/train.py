@@ -72,6 +72,11 @@ class Objective:
         pick = lambda t: t[i] if t is not None and t.dim() == 2 else t  # noqa: E731
         return Objective(pick(self.prox_anchor), self.prox_mu, pick(self.trainable), self.clip_norm)
 
+    def part(self, rows: list[int]) -> "Objective":
+        """The part of a cohort's objective for its clients at positions `rows` (a cohort of their own)."""
+        pick = lambda t: t[rows] if t is not None and t.dim() == 2 else t  # noqa: E731
+        return Objective(pick(self.prox_anchor), self.prox_mu, pick(self.trainable), self.clip_norm)
+
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
@@ -103,7 +108,7 @@ def sgd(model: FlatModel, data: ClientData, hp: LocalConfig, gen: torch.Generato
     loss_sum = torch.zeros((), device=params.device)
     steps = 0
     for idx in batch_indices(data.num_train, plan or hp, gen, params.device):
-        # index_select: the same rows as x[idx], 3x faster for a batch of images (no advanced-indexing setup)
+        # index_select: the same rows as x[idx], faster for a batch of images (no advanced-indexing setup)
         x, y = data.x_train.index_select(0, idx), data.y_train.index_select(0, idx)
         if fused is not None:
             loss = fused(x, y)  # the gradient written into `grad`
@@ -166,7 +171,7 @@ def two_head_gradient(model: FlatModel, params: torch.Tensor, x: torch.Tensor, y
     return model.grad[: len(params)].clone(), other.grad, float(loss.detach())
 
 
-PREDICT_CHUNK = 256  # samples per forward: measured 1.5-2x the throughput of 4096 (which spills the caches)
+PREDICT_CHUNK = 256  # samples per forward: faster than large chunks, which spill the caches
 
 
 @torch.no_grad()
@@ -174,7 +179,7 @@ def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor,
             chunk: int = PREDICT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample 0/1 correctness and cross-entropy of the model's current vector (eval mode: BN uses running
     statistics). On a CPU the chunks run side by side, one per thread (an eval-mode forward only reads the
-    module, so the threads share it): measured 1.8x / 2.2x (LeNet-5 / the CNN, 2 cores) over one chunk at a time."""
+    module, so the threads share it), faster than one chunk at a time on all threads."""
     model.module.eval()
 
     def part(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +192,16 @@ def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor,
         empty = torch.zeros(0, device=x.device)
         return empty.bool(), empty
     return torch.cat([c for c, _ in parts]), torch.cat([l for _, l in parts])
+
+
+def on_one_thread(fn: Callable[..., T], *args) -> T:
+    """fn(*args) with PyTorch's intra-op work on this thread alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def in_threads(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
@@ -261,8 +276,8 @@ class BatchedLoss:
     grouped convolutions, per-client BatchNorm), and one autograd pass over the stack gives all the gradients: the
     clients are independent, so the gradient of the sum of their losses is each client's own. `buffers` (C, D - P),
     the clients' BatchNorm running statistics, are updated in place as training mode does; None: batch statistics
-    only (a second pass over the same batch). (A `torch.func.vmap` of the forward does the same at about four times
-    the per-call cost for a few clients: measured, about 1 ms per call on 2 CPU cores.)"""
+    only (a second pass over the same batch). (A `torch.func.vmap` of the forward does the same at several times the
+    per-call cost for a few clients.)"""
 
     def __init__(self, model: FlatModel):
         if not hasattr(model.module, "forward_many"):
@@ -303,7 +318,7 @@ class LockstepState:
     @classmethod
     def begin(cls, vectors: torch.Tensor, param_size: int, momentum: bool) -> "LockstepState":
         params, buffers = vectors[:, :param_size], vectors[:, param_size:]
-        zeros = lambda: torch.zeros(len(vectors), device=vectors.device)  # noqa: E731
+        zeros = lambda: torch.zeros(len(vectors), dtype=vectors.dtype, device=vectors.device)  # noqa: E731
         return cls(vectors, params, buffers if buffers.shape[1] else None,
                    torch.zeros_like(params) if momentum else None, zeros(), zeros())
 
@@ -403,7 +418,7 @@ def replicas(model: FlatModel, n: int) -> list[FlatModel]:
 def worker_count(model: FlatModel, hp: LocalConfig, clients: int) -> int:
     """How many clients run side by side (`local.workers`; 0: as many as PyTorch's CPU threads). A small CNN's
     step at batch 32 runs about as fast on one core as on two, so two clients on one core each beat one client on
-    two (measured 1.44x / 1.62x for the CNN without / with BatchNorm on 2 cores: benchmarks/bench_cnn_clients.py)."""
+    two (benchmarks/bench_cnn_clients.py; the figures: docs/performance.md)."""
     n = hp.workers or (torch.get_num_threads() if model.device.type == "cpu" else 1)
     return max(1, min(n, clients))
 
@@ -411,7 +426,9 @@ def worker_count(model: FlatModel, hp: LocalConfig, clients: int) -> int:
 def side_by_side(model: FlatModel, workers: int, count: int, fn: Callable[[FlatModel, int], None]) -> None:
     """fn(model, i) for i in range(count), `workers` at a time (`in_threads`), each worker with a replica of `model`
     of its own (`model` itself when one at a time). A client's result depends neither on which worker ran it nor
-    on the order: its batches come from its own generator and its ops run on one thread."""
+    on the order: its batches come from its own generator and, on a CPU, its ops run on one thread even when it
+    runs alone (with more threads a convolution splits its reductions differently: a Flower ClientApp's lone
+    client would round otherwise than the same client beside others)."""
     free: queue.SimpleQueue = queue.SimpleQueue()
     for own in [model] if workers == 1 else replicas(model, workers):
         free.put(own)
@@ -419,7 +436,7 @@ def side_by_side(model: FlatModel, workers: int, count: int, fn: Callable[[FlatM
     def task(i: int) -> None:
         mine = free.get()
         try:
-            fn(mine, i)
+            on_one_thread(fn, mine, i) if mine.device.type == "cpu" else fn(mine, i)
         finally:
             free.put(mine)
     in_threads(workers, [lambda i=i: task(i) for i in range(count)])
@@ -427,15 +444,14 @@ def side_by_side(model: FlatModel, workers: int, count: int, fn: Callable[[FlatM
 
 # ---- a cohort: the clients one runtime trains at once ---------------------------------------------------------------
 
-LOCKSTEP_MIN_CLIENTS = 3  # below this the one-client-after-another path is as fast as lockstep (measured, MLR/DNN)
-
-
 class Cohort:
     """The clients a runtime trains at once, over a leading client axis: all of a round's clients in the simulator,
     one client in a Flower ClientApp. Algorithms write their client math once against it; the cohort decides how
-    the steps run: in lockstep (batched products, one autograd pass for all clients) where that pays, otherwise
-    one client after another with the shared model object. Each client keeps its own seeded batch stream, so both
-    ways see the same batches and give the same results (to float rounding of the batched products)."""
+    the steps run, and a client's arithmetic never depends on which clients train beside it: a model with a
+    batched form (`batchable`: the dense models, every model on a GPU) always trains through it, all clients in one
+    lockstep where that pays, else each alone in it (one row of a batched product does not depend on the other
+    rows: tests/test_one_arithmetic.py); the other models train one client after another with the shared model
+    object (side by side in threads or processes). Each client keeps its own seeded batch stream."""
 
     def __init__(self, cids: list[int], rnd: int, data: FederatedData, model: FlatModel, hp: LocalConfig,
                  gens: list[torch.Generator], lockstep: bool | None = None):
@@ -476,31 +492,29 @@ class Cohort:
 
     @property
     def batchable(self) -> bool:
-        """Lockstep training for the small dense models (MLR, DNN): one client's step is too small to keep the
-        cores busy, and batched products make it one step for all; not for fewer than LOCKSTEP_MIN_CLIENTS clients,
-        where the one-by-one path is as fast (measured). The CNNs have a lockstep path too (grouped convolutions,
-        models/many.py), on a CPU taken only when forced (`lockstep=True`): on 2 cores it measured no faster than their
-        clients side by side (benchmarks/bench_cnn_clients.py, two runs: 1.28-1.36 / 0.94-1.08x a bare loop for the
-        CNN / the CNN with BatchNorm, against 1.52-1.77 / 1.26-1.35x side by side; LeNet-5 a wash over five runs,
-        README Speed). On a GPU every model's clients train in lockstep: one client's small kernels leave it idle
-        (a bare loop 11-12 % busy on an H200), the ten clients' step as one CUDA graph replay ran 19-27x the bare
-        loop (benchmarks/bench_gpu.py, README "On a GPU")."""
+        """Whether the clients train through the model's batched form (`forward_many`), decided by the model and the
+        device alone, never by the cohort's size, so that a client computes the same alone (a Flower ClientApp's
+        cohort of one) as beside others: the dense models (MLR, DNN), whose one-client step is too small to keep the
+        cores busy, and on a GPU every model (one client's small kernels leave it idle: benchmarks/bench_gpu.py).
+        The CNNs on a CPU train client by client: their lockstep form (grouped convolutions, models/many.py)
+        measured no faster there (benchmarks/bench_cnn_clients.py); `lockstep=True` forces it (tests)."""
         if not hasattr(self.model.module, "forward_many"):
             return False
         if self.force is not None:
             return self.force
         if self.data.device.type == "cuda":
             return True
-        dense = all(p.dim() <= 2 for p in self.model.module.parameters())
-        return dense and len(self.cids) >= LOCKSTEP_MIN_CLIENTS
+        return all(p.dim() <= 2 for p in self.model.module.parameters())
 
     def lockstep_pays(self, hp: LocalConfig | list[LocalConfig] | None = None) -> bool:
-        """Lockstep runs as many steps as the longest stream: worth it while most clients are busy in most steps
-        (not for epochs over heavy-tailed client sizes, where one big client would keep the others waiting)."""
+        """Whether a batchable cohort trains all its clients in one lockstep (else each alone in the batched form:
+        the same results). Lockstep runs as many steps as the longest stream: worth it while most clients are busy in
+        most steps (not for epochs over heavy-tailed client sizes, where one big client would keep the others
+        waiting)."""
         if self.force is not None:
             return self.force
         if self.data.device.type == "cuda":  # a graphed step of ten clients costs less than one client's eager step
-            return True  # (~1 against 2.3 ms, H200, bench_gpu.py): it pays even where one stream is far the longest
+            return True  # (benchmarks/bench_gpu.py): it pays even where one stream is far the longest
         steps = self.planned_steps(hp)
         return steps.sum() >= 0.5 * len(steps) * steps.max()
 
@@ -525,9 +539,16 @@ class Cohort:
               hp: LocalConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Local SGD of every client from its row of `starts` (C, D): (trained (C, D), mean batch loss per client)."""
         hp = hp or self.hp
-        if self.batchable and self.lockstep_pays(hp):
-            idx, mask = self.plan(hp)
-            return batched_sgd(self.loss, starts, self.data.x_train, self.data.y_train, idx, mask, hp, objective)
+        if self.batchable:
+            d = self.data
+            trained, losses = torch.empty_like(starts), starts.new_empty(len(starts), dtype=torch.float64)
+
+            def lockstep(rows: list[int]) -> None:
+                vectors, loss = self.batched(lambda: batched_sgd(
+                    self.loss, starts[rows], d.x_train, d.y_train, *self.part(rows).plan(hp), hp, objective.part(rows)))
+                trained[rows], losses[rows] = vectors, loss.double()
+            in_threads(self.workers(), [lambda rows=rows: lockstep(rows) for rows in self.lockstep_parts(hp)])
+            return trained, losses
         placement = self.placement() if self.may_fork() else None
         forked = placement is not None and placement.fork()
         began = time.perf_counter()
@@ -556,6 +577,32 @@ class Cohort:
             placement.record(forked, time.perf_counter() - began, int(self.planned_steps(hp).sum()))
         return trained, losses
 
+    def part(self, rows: list[int]) -> "Cohort":
+        """The clients at positions `rows` as a cohort of their own (their generators shared: their streams go on)."""
+        return Cohort([self.cids[i] for i in rows], self.round, self.data, self.model, self.hp,
+                      [self.gens[i] for i in rows], self.force)
+
+    def lockstep_parts(self, hp: LocalConfig | list[LocalConfig] | None = None) -> list[list[int]]:
+        """How a batchable cohort's clients split into locksteps, which decides only the time (a client computes the
+        same in any part: `batched`): clients of similar step counts together, so that in each part most clients
+        are busy in most steps (one part where the whole cohort's lockstep pays)."""
+        if self.lockstep_pays(hp):
+            return [list(range(len(self.cids)))]
+        steps = self.planned_steps(hp)
+        parts: list[list[int]] = []
+        for i in np.argsort(-steps, kind="stable").tolist():  # longest first: a part's first client sets its length
+            if parts and steps[parts[-1] + [i]].sum() >= 0.5 * (len(parts[-1]) + 1) * steps[parts[-1][0]]:
+                parts[-1].append(i)
+            else:
+                parts.append([i])
+        return [sorted(part) for part in parts]
+
+    def batched(self, fn: Callable[[], T]) -> T:
+        """fn(), a step of the batched form. On a CPU on one thread: a row of a batched product then does not depend
+        on the other rows (with more threads a product of one row splits its own work among them, which changes its
+        rounding), so a client computes the same alone (a Flower ClientApp) as beside any others."""
+        return on_one_thread(fn) if self.data.device.type == "cpu" else fn()
+
     def workers(self) -> int:
         return worker_count(self.model, self.hp, len(self.cids))
 
@@ -580,8 +627,7 @@ class Cohort:
         """The clients' batch streams for a solver of its own (pFedMe, Per-FedAvg): gradients at given parameters,
         step by step; `buffers` (C, D - P) are the clients' BatchNorm statistics, updated as in training."""
         hps = hp if isinstance(hp, list) else [hp] * len(self.cids)
-        lockstep = self.batchable and self.lockstep_pays(hps)
-        return GradientStream(self, self.plan(hps), lockstep, buffers)
+        return GradientStream(self, self.plan(hps), self.batchable, buffers)
 
 
 class GradientStream:
@@ -605,7 +651,7 @@ class GradientStream:
         c, data = self.cohort, self.cohort.data
         idx, mask = self.idx[t], self.mask[t]
         if self.lockstep:
-            grads, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask, self.buffers)
+            grads, losses = c.batched(lambda: c.loss(params, data.x_train[idx], data.y_train[idx], mask, self.buffers))
             return grads, losses.double()
         P = params.shape[1]
         grads, losses = torch.zeros_like(params), torch.zeros(len(params), dtype=torch.float64, device=params.device)
@@ -630,14 +676,18 @@ class GradientStream:
         head = c.model.head_layers[0].params
         idx, mask = self.idx[t], self.mask[t]
         if self.lockstep:
-            g, losses = c.loss(params, data.x_train[idx], data.y_train[idx], mask, self.buffers)
-            swapped = params.clone()
-            swapped[:, head] = second
-            g2, _ = c.loss(swapped, data.x_train[idx], data.y_train[idx], mask)  # BN statistics see the batch once
-            g2 = weight * g2
-            second_grad = g2[:, head].clone()
-            g2[:, head] = 0.0
-            return g + g2, second_grad, losses.double()
+            x, y = data.x_train[idx], data.y_train[idx]
+
+            def both() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                g, losses = c.loss(params, x, y, mask, self.buffers)
+                swapped = params.clone()
+                swapped[:, head] = second
+                g2, _ = c.loss(swapped, x, y, mask)  # BN statistics see the batch once
+                g2 = weight * g2
+                second_grad = g2[:, head].clone()
+                g2[:, head] = 0.0
+                return g + g2, second_grad, losses.double()
+            return c.batched(both)
         P = params.shape[1]
         grads, second_grads = torch.zeros_like(params), torch.zeros_like(second)
         losses = torch.zeros(len(params), dtype=torch.float64, device=params.device)

@@ -53,11 +53,11 @@ def assert_same_messages(got, want, exact):
     ("fedavg", ["local.steps=0", "local.epochs=1", "local.momentum=0.9", "local.weight_decay=0.01"]),
 ])
 def test_lockstep_training_equals_the_per_client_path(name, extra):
-    """One client path per algorithm, four ways to run it: the cohort in lockstep (batched products, the
-    simulator's way for dense models), the cohort one client after another, side by side (two clients at a time,
-    one thread each), and each client alone in a cohort of one (a Flower ClientApp). One after another and alone
-    are the same arithmetic: bit-identical; lockstep reorders the products and side by side runs them on fewer
-    threads: equal to float tolerance."""
+    """One client path per algorithm, four ways to run it: the cohort in lockstep (batched products: a dense model's
+    arithmetic, whatever the cohort), each client alone in a cohort of one (a Flower ClientApp), and, forced, the
+    cohort one client after another through the model's own forward, and side by side (two clients at a time, one
+    thread each). In lockstep and alone are the same arithmetic: bit-identical; the forced per-client path
+    reorders the products and side by side runs them on fewer threads: equal to float tolerance."""
     cfg, data, model, algo = setup(name, *extra)
     init = model.state()
     state = algo.init_server(init)
@@ -68,7 +68,7 @@ def test_lockstep_training_equals_the_per_client_path(name, extra):
     in_turn = algo.client_update(payloads, cstates, cohort_of(cfg, data, model, cids, lockstep=False))
     alone = [algo.client_update([p], [s], cohort_of(cfg, data, model, [c])) for c, p, s in zip(cids, payloads, cstates)]
     alone_updates, alone_states = [u for (u,), _ in alone], [s for _, (s,) in alone]
-    assert_same_messages(in_turn[0] + in_turn[1], alone_updates + alone_states, exact=True)
+    assert_same_messages(lockstep[0] + lockstep[1], alone_updates + alone_states, exact=True)
     assert_same_messages(lockstep[0] + lockstep[1], in_turn[0] + in_turn[1], exact=False)
     side = algo.client_update(payloads, cstates, cohort_of(cfg, data, model, cids, lockstep=False, workers=2))
     assert_same_messages(side[0] + side[1], in_turn[0] + in_turn[1], exact=False)
@@ -177,7 +177,7 @@ def reference_stream(n: int, b: int, steps: int, gen: torch.Generator) -> list[t
 
 
 def test_perfedavg_hessian_free_steps_by_hand():
-    """Two HF meta-steps (specs §6.3): theta' = theta0 - alpha grad f(theta0; D1), g = grad f(theta'; D2),
+    """Two HF meta-steps: theta' = theta0 - alpha grad f(theta0; D1), g = grad f(theta'; D2),
     h = Hessian f(theta0; D3) g (here exact, by autograd's hvp: the library's finite difference converges to it),
     theta = theta0 - beta (g - alpha h). Each step takes three fresh batches of the client's stream."""
     alpha, beta = 0.05, 0.5
@@ -208,7 +208,7 @@ def test_perfedavg_hessian_free_steps_by_hand():
     # the Hessian term is far above that tolerance, so a step without it or with its sign flipped cannot pass
     assert min(float(c.abs().max()) for c in corrections) > 100 * 2e-5
     # the second loss is taken at the float32 theta after one meta-step, which sits up to the 2e-5 above from the
-    # float64 one: 1.2e-5 relative measured on one CPU (2026-12-04); a loss of another batch or point is ~1e-2 off
+    # float64 one: 1.2e-5 relative measured on one CPU; a loss of another batch or point is ~1e-2 off
     assert update["train_loss"] == pytest.approx(sum(first_losses) / 2, rel=5e-5)
     assert update["num_samples"] == client.num_train
 
@@ -246,7 +246,7 @@ def test_perfedavg_epochs_give_ceil_of_the_epochs_batches_over_batches_per_step(
 @pytest.mark.parametrize("R, K", [(4, 3), (1, 1)])
 @pytest.mark.parametrize("cids", [[4], [0, 2, 4, 5]], ids=["one client", "lockstep"])
 def test_pfedme_local_update_is_the_official_solver(cids, R, K):
-    """pFedMe's local solver written out (specs §3.1) for R batches x K steps, with eta != personal_lr:
+    """pFedMe's local solver written out for R batches x K steps, with eta != personal_lr:
     theta and w_loc start at w; per batch, K times theta <- theta - plr (grad f(theta) + lambda (theta - w_loc)
     + mu theta), then w_loc <- w_loc - eta lambda (w_loc - theta). The client uploads w_loc and keeps theta.
     Client 4 has 48 samples in batches of 20: its 4th batch comes from the next permutation."""
@@ -277,7 +277,7 @@ def test_pfedme_local_update_is_the_official_solver(cids, R, K):
 
 @pytest.mark.parametrize("cids", [[4], [0, 2, 4, 5]], ids=["one client", "lockstep"])
 def test_fedprox_local_update_is_sgd_with_the_proximal_term(cids):
-    """FedProx's local step (specs §6.2): theta <- theta - lr (grad f(theta) + mu (theta - w)) on each of the
+    """FedProx's local step: theta <- theta - lr (grad f(theta) + mu (theta - w)) on each of the
     client's 6 batches, w the global model it was sent."""
     mu, lr, steps = 1.0, 0.05, 6
     cfg, data, model, algo = setup("fedprox", f"fedprox.mu={mu}", f"local.lr={lr}", f"local.steps={steps}")
@@ -395,7 +395,7 @@ def test_pfedcs_representative_gradient_is_the_personal_models_move(gradient):
 
 
 def test_local_on_a_batchnorm_cnn_is_plain_sgd_on_the_clients_own_model():
-    """Local trains each client's own model (specs §6.8): here two steps of SGD on client 1's stream, on a model
+    """Local trains each client's own model: here two steps of SGD on client 1's stream, on a model
     that cannot train in lockstep (BatchNorm), equal to torch.optim.SGD on the same batches."""
     cfg, data, model, algo = image_setup("local", "local.steps=2", "local.lr=0.1")
     init = model.state()

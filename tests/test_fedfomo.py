@@ -1,6 +1,6 @@
-"""FedFomo (specs §6.6): the first-order weights favour the peer with the client's own distribution, are computed on
-the held-out part of the train split only, the epsilon-greedy download picks, and a run end to end (resumable,
-bytes on the wire)."""
+"""FedFomo (Zhang et al., ICLR 2021; NVlabs/FedFomo): the first-order weights favour the peer with the client's own
+distribution, are computed on the held-out part of the train split only, the epsilon-greedy download picks, and a
+run end to end (resumable, bytes on the wire)."""
 from __future__ import annotations
 
 import copy
@@ -115,8 +115,8 @@ def test_no_test_data_is_read_and_a_useless_peer_leaves_the_base():
 
 def test_a_client_alone_as_in_a_flower_clientapp_computes_what_the_simulators_cohort_does():
     """A Flower ClientApp holds its own client only (at position 0, its batch stream keyed by its real id): the
-    validation split and the update are the same as in the simulator's cohort of three, bit for bit one client after
-    another, to float rounding in lockstep (MLR: batched products)."""
+    validation split and the update are the same as in the simulator's cohort of three, bit for bit (MLR: batched
+    products, alone as in the cohort), and to float rounding through the model's own forward (forced)."""
     cfg, data, model, algo = setup("model.name=mlr", "local.steps=4")
     b = model.state()
     peers = torch.stack([b + 0.01 * k * torch.randn(len(b), generator=torch.Generator().manual_seed(k))
@@ -133,8 +133,8 @@ def test_a_client_alone_as_in_a_flower_clientapp_computes_what_the_simulators_co
     lockstep, _ = algo.client_update(payloads, states, cohort(data, cids, cids, True))
     for k, c in enumerate(cids):
         (alone,), _ = algo.client_update(payloads[k:k + 1], states[k:k + 1], cohort(data.only([c]), [0], [c], None))
-        assert all(torch.equal(alone[key], in_turn[k][key]) for key in ("weights", "affinity"))
-        assert alone["num_samples"] == in_turn[k]["num_samples"] and alone["train_loss"] == in_turn[k]["train_loss"]
+        assert all(torch.equal(alone[key], lockstep[k][key]) for key in ("weights", "affinity"))
+        assert alone["num_samples"] == lockstep[k]["num_samples"] and alone["train_loss"] == lockstep[k]["train_loss"]
         assert torch.allclose(lockstep[k]["weights"], in_turn[k]["weights"], atol=2e-5)
         assert (in_turn[k]["affinity"][[0, 9]] != 0).all() and (in_turn[k]["affinity"][1:9] == 0).all()
 

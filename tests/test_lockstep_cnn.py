@@ -117,7 +117,7 @@ def test_lockstep_gradient_stream_updates_each_clients_batchnorm_statistics():
 
 def test_cnns_train_side_by_side_unless_lockstep_is_forced():
     """On a CPU the CNNs' clients side by side measured faster than lockstep (bench_cnn_clients.py); dense models
-    keep lockstep from LOCKSTEP_MIN_CLIENTS clients."""
+    train through their batched form whatever the cohort (Cohort.batchable)."""
     cfg, data, net = setup("lenet5", torch.float32)
     model = FlatModel(net)
     assert not cohort(cfg, data, model, lockstep=None).batchable
