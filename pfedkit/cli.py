@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                      "folder holding anything else is refused)")
     run.add_argument("--allow-version-change", action="store_true", help="with --resume: continue a run that "
                      "another pfedkit version (or an edited source) started, mixing the two versions' results")
+    run.add_argument("--tensorboard", action="store_true", help="also log every metric to TensorBoard, in each "
+                     "run's folder (tensorboard --logdir OUT; pip install -e '.[tensorboard]'; in-process runs)")
     run.add_argument("--runtime", choices=("inprocess", "flower", "loopback"), default="inprocess",
                      help="inprocess: the fast simulator (default); flower: Flower's simulation runtime (Ray), one "
                      "virtual SuperNode per client; loopback: a real Flower deployment on 127.0.0.1 (flower-superlink, "
@@ -73,12 +75,22 @@ def _interrupted(out: Path | None) -> str:
     return "pfedkit: interrupted before anything was written; nothing to resume"
 
 
+def _observers(args) -> list:
+    """What the command line adds around the runs: a TensorBoard log with --tensorboard."""
+    if not args.tensorboard:
+        return []
+    from .report.tensorboard import TensorBoard
+    return [TensorBoard()]
+
+
 def _flower(args, cfg, out: Path, resume: bool) -> None:
     """The experiment on Flower: its simulation runtime, or a deployment on loopback started for it (its files in
     --out's own folder .flower, nothing beside it). SIGINT and SIGTERM stop either (stopping.Stopped, as main
     handles it), every process they started stopped first."""
     from .flower import require_flower
     require_flower()
+    if args.tensorboard:
+        raise PfedkitError("--tensorboard logs in-process runs; on Flower, read the run's metrics.jsonl")
     if args.runtime == "flower":
         from .flower.simulation import run_simulation
         run_simulation(cfg, out, resume=resume, overwrite=args.overwrite, timeout=args.round_timeout,
@@ -116,7 +128,8 @@ def _command(args) -> int:
                                        "it continues with the folder's own config.yaml")
                 out = args.resume
                 if args.runtime == "inprocess":
-                    resume_experiment(args.resume, allow_version_change=args.allow_version_change)
+                    resume_experiment(args.resume, allow_version_change=args.allow_version_change,
+                                      observers=_observers(args))
                 else:
                     _flower(args, None, out, resume=True)
             else:
@@ -127,7 +140,8 @@ def _command(args) -> int:
                 if args.allow_version_change:
                     raise PfedkitError("--allow-version-change goes with --resume DIR only")
                 if args.runtime == "inprocess":
-                    run_experiment(cfg, out, overwrite=args.overwrite, config_file=args.config and Path(args.config))
+                    run_experiment(cfg, out, overwrite=args.overwrite, config_file=args.config and Path(args.config),
+                                   observers=_observers(args))
                 else:
                     _flower(args, cfg, out, resume=False)
         elif args.command == "plot":

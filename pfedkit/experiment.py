@@ -12,7 +12,7 @@ import torch
 
 from .config import Config, dump_config, load_config
 from .data import FederatedData, build_federated
-from .engine import Run, atomic_write
+from .engine import Observer, Run, atomic_write
 from .engine import folder as run_folder
 from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from .report.plots import plot_comparison, plot_run, plot_seed_comparison
@@ -78,15 +78,18 @@ def is_run_folder(path: Path) -> bool:
 def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: bool = False,
                    data: FederatedData | None = None, log: Callable[[str], None] = print,
                    stop_after: int | None = None, runtime: dict | None = None, config_file: Path | None = None,
-                   allow_version_change: bool = False) -> list[dict]:
+                   allow_version_change: bool = False, observers: list[Observer] = ()) -> list[dict]:
     """Train every algorithm of `cfg` into `out/<algorithm>/`, then write comparison.md and comparison.png.
     With `seeds`, once per seed into `out/seed<s>/`, and the comparison gives mean ± std over the seeds.
     Every run is built (data, model, algorithm, sampler: everything that can refuse the config) before anything is
     written; `out` must be new or empty unless `overwrite` (or `resume`). A run whose clients send non-finite
     updates is recorded (`failed.txt`) and the others still run; the experiment then ends with an error naming it.
     `config_file`: where `cfg` was read from (an overwrite never deletes it); `allow_version_change`: a resume
-    continues a run that another pfedkit started."""
+    continues a run that another pfedkit started; `observers`: engine.Observer objects that every run calls (a
+    logger, early stopping, report.tensorboard.TensorBoard). `runtime`: how runs reach their clients (Flower's
+    ServerApp gives `clients_for` and `min_replies`)."""
     out = Path(out)
+    runtime = {**(runtime or {}), "observers": list(observers)}
     if not resume:
         check_out(out, overwrite, config_file)
     claim = functools.partial(_claim, out, resume, overwrite, config_file, allow_version_change)
@@ -108,10 +111,10 @@ def build_runs(cfg: Config, data: FederatedData, out: Path, runtime: dict | None
 
 
 def _one_run(cfg: Config, data: FederatedData, out: Path, runtime: dict | None, log: Callable[[str], None]) -> Run:
-    if not runtime:
-        return Run(cfg, data, out, log=log)
-    return Run(cfg, data, out, clients=runtime["clients_for"](cfg, data), min_replies=runtime.get("min_replies", 1),
-               log=log)
+    runtime = runtime or {}
+    clients = runtime["clients_for"](cfg, data) if "clients_for" in runtime else None
+    return Run(cfg, data, out, clients=clients, min_replies=runtime.get("min_replies", 1), log=log,
+               observers=runtime.get("observers", ()))
 
 
 @contextlib.contextmanager
@@ -207,10 +210,11 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
 
 
 def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: dict | None = None,
-                      allow_version_change: bool = False) -> list[dict]:
+                      allow_version_change: bool = False, observers: list[Observer] = ()) -> list[dict]:
     """`pfedkit run --resume DIR`: DIR is an experiment folder or one algorithm's run folder; a run that another
     pfedkit started is continued only with `allow_version_change`."""
     path = Path(path)
+    runtime = {**(runtime or {}), "observers": list(observers)}
     if not (path / "config.yaml").is_file():
         raise PfedkitError(f"cannot resume: {path / 'config.yaml'} not found (is {path} a pfedkit run folder?)")
     one_run = (path / "algorithm.json").is_file() or (path / "metrics.jsonl").is_file()
@@ -241,4 +245,5 @@ def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: d
                     plot_comparison(parent, dirs)
         return [summary]
     cfg = load_config(path / "config.yaml")
-    return run_experiment(cfg, path, resume=True, log=log, runtime=runtime, allow_version_change=allow_version_change)
+    return run_experiment(cfg, path, resume=True, log=log, runtime=runtime, allow_version_change=allow_version_change,
+                          observers=runtime["observers"])

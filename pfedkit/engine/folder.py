@@ -29,7 +29,7 @@ OWN_FILES = {MARKER, "config.yaml", "comparison.md", "comparison.png", "flower.j
              "algorithm.json", "metrics.jsonl", "summary.json", "failed.txt", "checkpoint.pt", "accuracy.png",
              "partition.png", "alpha_heatmap.png", "alpha_layers.png", "alpha_evolution.png", "alpha.npz",
              "alpha_retained.npz", "affinity.npz"}
-OWN_FOLDERS = {"observables", ".client_states"}
+OWN_FOLDERS = {"observables", ".client_states", "tensorboard"}
 
 
 def is_marked(folder: Path) -> bool:
