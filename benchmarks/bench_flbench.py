@@ -1,8 +1,8 @@
 """pfedkit side by side with FL-bench's pFedLA benchmark setting: FMNIST, 100 clients, 10 a round, 1 local epoch,
 batch 32, LeNet-5 (FL-bench's: conv 1->6, 5 + BN, conv 6->16, 5 + BN, fc 256->120->84->10).
 
-FL-bench is not a dependency: its figures on this machine class (2 CPU threads, measured once and recorded in
-issue 11) are the reference printed beside ours: 0.82 s/round for pFedLA (server 27 % of the round), 0.53 s/round
+FL-bench is not a dependency: its figures on this machine class (2 CPU threads, measured once with FL-bench's own
+scripts) are the reference printed beside ours: 0.82 s/round for pFedLA (server 27 % of the round), 0.53 s/round
 for FedAvg (training rounds; its evaluation of the 100 clients: 3.2 s). For each algorithm the script prints
 s/round of the training rounds, the server's share of them, one evaluation of every client (seconds, and its share
 of the time if evaluated every 10 rounds), the same clients' steps in a bare PyTorch loop (nn.Module,

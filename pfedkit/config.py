@@ -42,7 +42,8 @@ def at_least(low: float, default: Any, high: float | None = None, open_low: bool
 
 @dataclass
 class SyntheticConfig:
-    """FedProx Synthetic(alpha, beta) (specs §3.4); one natural client per generated user."""
+    """FedProx's Synthetic(alpha, beta) (Li et al., MLSys 2020; pFedMe's 100-user version); one natural client per
+    generated user."""
     alpha: float = at_least(0.0, 0.4)
     beta: float = at_least(0.0, 0.6)
     features: int = at_least(1, 60, high=100_000)
@@ -108,7 +109,7 @@ class LocalConfig:
 
 @dataclass
 class ClusteringConfig:
-    """Options of `sampling: clustered_similarity` (specs §4.2)."""
+    """Options of `sampling: clustered_similarity` (Fraboni et al., ICML 2021, Algorithm 2)."""
     distance: str = choices("cosine", "l2", "l1", default="cosine")
     linkage_input: str = choices("rows", "condensed", default="rows")  # rows: Ward on the distance matrix's rows
     clusters: int = at_least(0, 0)  # 0: Fraboni's cut (subtrees of weight <= 1/m); > 0: this many clusters

@@ -1,6 +1,7 @@
 """CUDA graphs for training steps whose shapes repeat: a step is captured once and then replayed, one launch for
 all of its kernels. A small CNN's step at batch 32 is dozens of kernels of a few microseconds each: run eagerly
-the GPU waits on Python and the launches (the FL-bench users' 3-7 % utilization), replayed it does not.
+the GPU waits on Python and the launches, replayed it does not (benchmarks/bench_gpu.py measures both, with the
+GPU's utilization; docs/performance.md).
 
 A captured step reads and writes fixed ("static") tensors: its caller copies each step's inputs into them before
 a replay and reads the results out after the last (train.graphed_lockstep). Capture follows PyTorch's whole-network

@@ -1,10 +1,8 @@
 """Tasks side by side in forked worker processes, their results in shared memory.
 
 Why processes: clients trained side by side in threads share one GIL, and a small CNN's step holds it for a
-good part of its time (under perf, libpython was 12-18 % of a step: the forward's Python, autograd's custom
-functions, argument parsing). On 2 cores two threads ran 1.4-1.8x one thread, two processes 2.0x (a step loop
-each, batch 32, the pFedHN CNN with and without BatchNorm and LeNet-5; the engine's rows: benchmarks/
-bench_cnn_clients.py). Forked children inherit the model, the data and the task as they are
+good part of its time (the forward's Python, autograd's custom functions, argument parsing), so two processes
+gain more over one than two threads do (benchmarks/bench_cnn_clients.py; figures in docs/performance.md). Forked children inherit the model, the data and the task as they are
 in memory, so nothing is pickled; they write their results into tensors the parent mapped shared before the
 fork. The parent works too, as one of the workers: one fork fewer, and its share of the work runs without copies
 on write.
@@ -46,9 +44,8 @@ def shared_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
 
 class Placement:
     """Whether forking pays for a recurring piece of work, measured as it runs. A fork costs time in proportion to
-    the process's memory (page tables, then copies on write): ~6 ms at 1 GB resident here, but ~0.15 s a round for
-    pFedLA at N = 1,000 with 9.8 GB resident, whose clients then ran 0.96x the bare loop against 0.55x in threads;
-    what it saves grows with the work. So the first calls fork twice (the first carries the run's warm-up), then
+    the process's memory (page tables, then copies on write): cheap for a small run, a large
+    share of the round for a process of many gigabytes (pFedLA at N = 1,000); what it saves grows with the work. So the first calls fork twice (the first carries the run's warm-up), then
     run threads twice; after that the way with the lower seconds per unit of work (the best of its last SAMPLES
     calls: one slow call on a noisy machine does not decide) is taken, and the other is tried again every RETRY
     calls: the work or the memory may have changed. Either way gives the same results, so the choice changes

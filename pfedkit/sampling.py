@@ -386,7 +386,7 @@ class Sampler:
         return self.scheme == "clustered_similarity"
 
     def init_state(self, dim: int, like: "torch.Tensor") -> dict:
-        """Representative gradients start at zero (specs §4.2)."""
+        """Representative gradients start at zero, as in Fraboni et al.'s clustered-sampling code."""
         return {"gradients": like.new_zeros(self.n, dim)} if self.needs_gradients else {}
 
     def observe(self, state: dict, gradients: dict[int, "torch.Tensor"]) -> dict:

@@ -194,7 +194,7 @@ def test_granularities():
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
-# ---- the hypernetwork update on a quadratic toy (specs §1.6) ------------------------------------------------------
+# ---- the hypernetwork update on a quadratic toy -------------------------------------------------------------------
 
 def toy(delta_sign="old_minus_new", hn_lr=0.05, hn_optimizer="sgd"):
     """6 clients of two groups; client i's loss is 0.5 ||theta - opt_i||^2 with one optimum per group."""
@@ -264,7 +264,7 @@ def test_the_reference_codes_sign_moves_mass_the_wrong_way():
 # ---- through the engine --------------------------------------------------------------------------------------------
 
 def test_sequential_round_serves_each_client_the_state_left_by_the_previous_one(tmp_path):
-    """`pfedla.sequential` (specs §1.5, the reference code's order): the sampled clients are served one after
+    """`pfedla.sequential` (the reference code's order): the sampled clients are served one after
     another, and each one's payload is mixed after the previous clients' aggregation, i.e. from Theta with the
     earlier clients' rows replaced by what they trained, through the hypernetwork's updated rows. Recomputed here
     with a plain loop over layers and clients (ReferenceHN), and the hypernetwork's SGD step by autograd."""
@@ -353,7 +353,7 @@ def test_reduced_table1_preset_on_full_fmnist(tmp_path):
 # ---- initialisation, options ------------------------------------------------------------------------------------
 
 def test_hypernetworks_start_as_specified():
-    """specs §1.2: embedding N(0, 1); trunk Linear layers PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for
+    """The hypernetwork's initialisation: embedding N(0, 1); trunk Linear layers PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for
     weights and biases; heads U(0, 1) with zero bias; stored in the model's dtype."""
     cfg = load_config(None, ["model.name=mlr"])
     fm = FlatModel(build_model(cfg.model, (1, 2, 2), 10, 0).double())

@@ -256,7 +256,7 @@ def test_a_reply_that_is_not_the_declared_update_is_refused(update, needle):
 # ---- Per-FedAvg's small clients train on what they have ----------------------------------------------------------
 
 def perfedavg_by_hand(theta0, x, y, batches, alpha, beta):
-    """The first-order Per-FedAvg steps (specs §6.3) on consecutive pairs of batches, plain autograd."""
+    """The first-order Per-FedAvg steps (Fallah et al., NeurIPS 2020) on consecutive pairs of batches, plain autograd."""
     theta = theta0.clone()
     w_shape = (10, x.shape[1])
 

@@ -1,6 +1,6 @@
-"""FedAvg (McMahan et al., 2017): local SGD from the global model, weighted average of the sampled clients
-(specs §6.1); its personalized model is the global model itself. FedProx (Li et al., MLSys 2020; specs §6.2)
-is FedAvg with the proximal term mu/2 ||theta - w||^2 in every local step."""
+"""FedAvg (McMahan et al., AISTATS 2017): local SGD from the global model, weighted average of the sampled
+clients; its personalized model is the global model itself. FedProx (Li et al., MLSys 2020) is FedAvg with the
+proximal term mu/2 ||theta - w||^2 in every local step."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,5 @@
 """FedBN (Li et al., "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization", ICLR 2021;
-specs §6.4): every BatchNorm layer's parameters and running statistics stay on the client, never sent either way;
+med-air/FedBN): every BatchNorm layer's parameters and running statistics stay on the client, never sent either way;
 the rest is FedAvg (sample-size weights, as FL-bench; the official Digits code weighs clients equally, which is
 what `sampling` weights give when the clients' sizes are equal). On a model without BatchNorm it is FedAvg.
 

@@ -1,5 +1,5 @@
 """FedFomo (Zhang et al., "Personalized Federated Learning with First Order Model Optimization", ICLR 2021;
-specs §6.6).
+NVlabs/FedFomo; docs/baselines.md).
 
 The server keeps every client's latest uploaded model (Theta, N x D), an affinity matrix P (N x N; P[i, j]: how
 much client j's models have helped client i) and which clients have uploaded at least once. Each sampled client

@@ -1,5 +1,5 @@
 """FedRep (Collins et al., "Exploiting Shared Representations for Personalized Federated Learning", ICML 2021;
-specs §6.5): the body (representation) is shared and averaged, the head (the last linear layer) is each client's
+lgcollins/FedRep): the body (representation) is shared and averaged, the head (the last linear layer) is each client's
 own and never sent. A client first trains its head for `head_epochs` with the body frozen, then the body for
 `body_epochs` with the head frozen (official CIFAR script: 10 + 1), on the run's local lr/momentum/batch size.
 Its personalized model is the global body with its own head.

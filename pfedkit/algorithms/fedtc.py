@@ -1,5 +1,5 @@
 """FedTC (Liu et al., "FedTC: A Personalized Federated Learning Method with Two Classifiers", CMC 76(3) 2023,
-doi 10.32604/cmc.2023.039452; specs §6.7). Only the abstract and the pFedCS paper's remarks could be found; what
+doi 10.32604/cmc.2023.039452). Only the abstract and the pFedCS paper's remarks could be found; what
 follows them is marked, the rest is inferred (docs/pfedcs.md, "FedTC").
 
 From the abstract: the model is an extractor (every layer but the last) and a classifier (the last layer); the

@@ -1,5 +1,5 @@
 """Local: every client trains only its own model, from the common initialization, with the same local schedule
-as the federated runs (it trains in the rounds it is sampled); nothing crosses the network (specs §6.8)."""
+as the federated runs (it trains in the rounds it is sampled); nothing crosses the network."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Per-FedAvg (Fallah et al., NeurIPS 2020; specs §6.3): MAML-style local steps, FedAvg on the server, and a
+"""Per-FedAvg (Fallah et al., NeurIPS 2020; docs/pfedcs.md): MAML-style local steps, FedAvg on the server, and a
 personalized model made by one (or more) step(s) of local SGD from the global model on the client's *train* data
 (the pFedMe code adapts on test batches, a leak; here the evaluation cannot even reach them).
 

@@ -1,5 +1,6 @@
-"""pFedMe (T. Dinh et al., "Personalized Federated Learning with Moreau Envelopes", NeurIPS 2020; specs §3) and
-pFedCS (pFedMe's local objective + similarity-based clustered sampling + a beta-mixed global update; specs §5).
+"""pFedMe (T. Dinh et al., "Personalized Federated Learning with Moreau Envelopes", NeurIPS 2020;
+CharlieDinh/pFedMe) and pFedCS (pFedMe's local objective + similarity-based clustered sampling + a beta-mixed
+global update; the pFedCS paper, docs/pfedcs.md).
 
 Local solver, as the official code: theta and the local copy w_loc start at the global w; for each of R local
 rounds take one mini-batch and K steps on it of
@@ -25,7 +26,7 @@ from .base import GRADIENT_KEY, Algorithm, Message, State, make_update, stacked,
 
 @dataclass
 class PFedMeParams:
-    # Defaults: the pFedMe README's MNIST/MLR setting (eta 0.005, plr 0.1, lambda 15, R 20, K 5; specs §3.7)
+    # Defaults: the pFedMe README's MNIST/MLR setting (eta 0.005, plr 0.1, lambda 15, R 20, K 5)
     local_rounds: int = at_least(1, 20)  # R: mini-batches per round (pFedMe's --local_epochs)
     inner_steps: int = at_least(1, 5)  # K: steps on each mini-batch
     eta: float = at_least(0.0, 0.005, open_low=True)  # the local copy's step (pFedMe's --learning_rate)

@@ -107,7 +107,8 @@ class FederatedData:
         return view
 
     def majority_label_accuracy(self) -> np.ndarray:
-        """Per client: test accuracy of always predicting its most frequent training label (specs §3.8)."""
+        """Per client: test accuracy of always predicting its most frequent training label, the reference row that a
+        personalized accuracy is read against (docs/pfedcs.md: the official pFedMe code's series sits at it)."""
         majority = self.train_counts.argmax(axis=1)
         hits = self.test_counts[np.arange(self.num_clients), majority]
         return hits / np.maximum(self.test_sizes, 1)

@@ -4,7 +4,7 @@ A scheme assigns every sample to at most one client (`owner[i]` = client id or -
 sends round(n_c * test_fraction) samples of each (client, class) group to the client's test set, so train and
 test share the client's label distribution. Everything is vectorized over samples and seeded.
 
-Schemes (specs §7, experiments.md):
+Schemes (the pFedLA and pFedCS papers' settings; docs/datasets.md):
 - classes          k distinct classes per client, every (client, class) slot gets an equal share of the class
                    (the pFedLA paper's non-IID 1); classes are spread evenly over clients.
 - chain            client i holds classes perm[i .. i+k-1] (mod C): it shares k-1 classes with client i+1
@@ -15,7 +15,7 @@ Schemes (specs §7, experiments.md):
 - powerlaw_labels  client u holds labels (u + j) mod C, j < k, `min_per_label` of each, the rest of each class
                    split by lognormal(0, sigma) shares (FedProx's MNIST generator; pFedMe/pFedCS setting).
 - iid              a uniform random split into equal parts.
-- natural          the dataset's own users are the clients (Synthetic).
+- natural          the dataset's own users are the clients (Synthetic, LEAF).
 """
 from __future__ import annotations
 

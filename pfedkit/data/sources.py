@@ -402,7 +402,7 @@ def _digits(cfg: DatasetConfig, seed: int) -> Source:
 
 def synthetic(alpha: float, beta: float, num_users: int, features: int = 60, classes: int = 10,
               size_factor: int = 5, seed: int = 0) -> Source:
-    """FedProx's Synthetic(alpha, beta) (specs §3.4): each user has its own softmax model and input mean.
+    """FedProx's Synthetic(alpha, beta) (Li et al., MLSys 2020): each user has its own softmax model and input mean.
 
     beta spreads the users' input means. alpha spreads the means of the users' model weights, but, as in FedProx's
     generator that this follows, that mean shifts every class score of a user by the same amount, so it does not

@@ -16,8 +16,8 @@ from ..errors import PfedkitError
 def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
     """Write then rename, so a crash or a full disk never leaves a half-written file under `path`: the previous
     version stays until the new one is complete. `data` is the bytes, or a function that writes them to the open
-    file (a checkpoint streams its tensors: serialized in memory first, pFedLA's at N = 1,000 doubled the process's
-    memory, 9.5 to 18.6 GB with LeNet-5, measured)."""
+    file (a checkpoint streams its tensors: serialized in memory first, pFedLA's at N = 1,000 would double the
+    process's memory)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as fh:

@@ -5,11 +5,10 @@ Loading a client's model is one `copy_`, reading it back one `clone`, an SGD ste
 parameters first (`param_slice`) and then the float buffers (BatchNorm running statistics, `buffer_slice`).
 
 In a model without BatchNorm a convolution's weight (out, in, h, w) sits in the vector in (out, h, w, in) order
-and the module sees it as a channels_last view: oneDNN's convolutions on a CPU run faster on that layout (1.3x a
-round's CNN clients side by side on 2 cores, 1.3x one client: benchmarks/bench_cnn_clients.py) and the activations
-follow it. Not with BatchNorm: PyTorch's channels_last BatchNorm on a CPU sums its gradients less exactly (measured
-against float64 after one SGD step of the CNN with BN: 4e-6 on conv1's weight against 1e-8 in the standard layout,
-5e-3 against 1e-7 after 60), so BN models keep the standard layout. Element order inside a layer matters only to
+and the module sees it as a channels_last view: oneDNN's convolutions on a CPU run faster on that layout
+(benchmarks/bench_cnn_clients.py) and the activations follow it. Not with BatchNorm: PyTorch's channels_last
+BatchNorm on a CPU sums its gradients less exactly (orders of magnitude further from float64 than the standard
+layout after a few SGD steps), so BN models keep the standard layout. Element order inside a layer matters only to
 code that reads the vector by element position; `state_dict` gives the standard shapes, and `layout` goes into
 checkpoints so a vector of another layout is refused.
 """

@@ -23,7 +23,7 @@ STEP_MAX_CHANNELS = 512
 
 
 class CNN(nn.Module):
-    """pFedHN's CNNTarget (specs §2.1): conv5-16, pool, conv5-32, pool, fc 120, fc 84, fc C; no padding.
+    """pFedHN's CNNTarget (Shamsian et al., 2021, official code): conv5-16, pool, conv5-32, pool, fc 120, fc 84, fc C; no padding.
 
     1x28x28 inputs give 32*4*4 = 512 features after the convs, 3x32x32 inputs 32*5*5 = 800. With
     `batch_norm`, a BatchNorm2d follows each conv (the pFedLA paper's CIFAR models). `channels=(6, 16)` with
@@ -66,8 +66,7 @@ class CNN(nn.Module):
     def training_step(self, x: torch.Tensor) -> "native.CNNStep | None":
         """The whole training step (forward, loss, gradients, BatchNorm's running statistics) as one C call
         (native.CNNStep) for batches like x, where the kernels cover this model and it pays: the BatchNorm models
-        on 28x28 images, with conv channel products up to STEP_MAX_CHANNELS (a step of 32 images on one core:
-        FL-bench's LeNet-5, 6 x 16, 1.0 against 1.9-2.0 ms; the CNN + BN, 16 x 32, 3.2-3.5 against 3.5-3.7 ms);
+        on 28x28 images, with conv channel products up to STEP_MAX_CHANNELS (benchmarks/bench_cnn_clients.py);
         None: the autograd step."""
         if self.conv1.out_channels * self.conv2.out_channels > STEP_MAX_CHANNELS:
             return None
@@ -100,8 +99,8 @@ def bn_relu_pool(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def relu_pool(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool2d(torch.relu(x), 2), with its gradient: through the C kernels of models/native.py where they
-    cover x (CPU batches in the standard layout, 6x PyTorch's kernels for a (32, 16, 24, 24) batch forward and
-    backward on one thread, or channels_last, the BN-free models' activations), in PyTorch otherwise (GPU)."""
+    cover x (CPU batches in the standard layout, several times faster than PyTorch's kernels there, or
+    channels_last, the BN-free models' activations), in PyTorch otherwise (GPU)."""
     if native.covers(x):
         return native.relu_pool(x)
     return max_pool2x2(torch.relu(x))
@@ -109,10 +108,9 @@ def relu_pool(x: torch.Tensor) -> torch.Tensor:
 
 def max_pool2x2(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool2d(x, 2). Without autograd (evaluation) as the maximum of the four strided quarters of each 2x2
-    window: the same values (a maximum is exact, and NaN propagates as in max_pool2d), and on a CPU 4-10x faster
-    than max_pool2d's kernel in the standard layout (0.17 against 1.7 ms for a (32, 16, 24, 24) batch on one
-    thread; 2-5x in channels_last; measured). With autograd max_pool2d itself: its backward is the fast part, and
-    computing its indices by hand measured no faster."""
+    window: the same values (a maximum is exact, and NaN propagates as in max_pool2d), and on a CPU several times
+    faster than max_pool2d's kernel. With autograd max_pool2d itself: its backward is the fast part, and computing
+    its indices by hand is no faster."""
     if torch.is_grad_enabled() and x.requires_grad:
         return F.max_pool2d(x, 2)
     top_left, top_right, bottom_left, bottom_right = quarters(x)

@@ -1,4 +1,4 @@
-"""The papers' published numbers (specs/experiments.md), for the `pfedkit reproduce` tables: mean ± std as printed.
+"""The papers' published numbers (their tables), for the `pfedkit reproduce` tables: mean ± std as printed.
 
 Table 1/2: pFedLA paper (Ma et al., CVPR 2022), personalized test accuracy % averaged over clients, keyed by
 (dataset, number of clients). Table 1's FedAvg row is not legible in the available copy; FedBN has no EMNIST/FMNIST
