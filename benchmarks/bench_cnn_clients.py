@@ -12,13 +12,13 @@ Candidates:
                   forward in plain PyTorch: bench_local_training.PlainCNN)
   bare-1thread    the same on one intra-op thread
   engine          pfedkit's Cohort as it runs by default: clients side by side, one per core, in forked processes
-                  (local.workers=0, local.workers_in=processes: pfedkit/processes.py), the models' C kernels in use
+                  (runtime.workers=0, runtime.workers_in=processes: pfedkit/processes.py), the models' C kernels in use
                   (models/native.py: ReLU + pooling, BatchNorm fused with them, the first convolution)
-  engine-threads  the same with the clients in threads of this process (local.workers_in=threads: one GIL)
+  engine-threads  the same with the clients in threads of this process (runtime.workers_in=threads: one GIL)
   engine-autograd the engine with every step through autograd (a BN model with small convolutions, LeNet-5, takes
                   its whole step as one C call by default: nets.CNN.training_step)
   engine-pytorch  the same on PyTorch's own kernels only (what the engine did before the C kernels)
-  engine-1by1     the Cohort one client after another (local.workers=1, a Flower ClientApp's way); both rows hold a
+  engine-1by1     the Cohort one client after another (runtime.workers=1, a Flower ClientApp's way); both rows hold a
                   BN-free model's conv weights channels_last (models/layers.py), a BN model's in the standard
                   layout (channels_last BatchNorm sums its gradients less exactly)
   engine-lockstep the Cohort's lockstep path (Cohort(lockstep=True)): all clients at once as grouped convolutions
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import time
 import warnings
 
@@ -50,7 +49,7 @@ import torch.nn.functional as F
 
 import pfedkit.models.nets as nets
 from bench_local_training import PlainCNN, plain as plain_model  # the CNN with a plain PyTorch forward (this folder)
-from pfedkit.config import load_config
+from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, batch_indices, seeded_generator
@@ -229,14 +228,13 @@ def grouped(net, work, lr):
                 p.grad = None
 
 
-def engine(cfg, data, workers, lockstep=None, cids=None, **local):
-    """One round of the clients (default: all) through pfedkit's Cohort, `local` overriding cfg.local's keys."""
+def engine(cfg, data, workers, lockstep=None, cids=None, **runtime):
+    """One round of the clients (default: all) through pfedkit's Cohort, `runtime` setting RuntimeConfig's keys."""
     model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(data.device))
-    hp = dataclasses.replace(cfg.local, workers=workers, **local)
     cids = list(range(data.num_clients)) if cids is None else cids
     starts = model.state().repeat(len(cids), 1)
-    return lambda: Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids],
-                          lockstep).train(starts)
+    return lambda: Cohort(cids, 1, data, model, cfg.local, [seeded_generator(cfg.seed, 1, c) for c in cids],
+                          lockstep, RuntimeConfig(workers=workers, **runtime)).train(starts)
 
 
 def main() -> None:

@@ -171,7 +171,7 @@ def main() -> None:
     runtimes = args.runtimes.split(",")
     sets = [f"dataset.name={args.dataset}", f"partition.num_clients={args.clients}", f"model.name={args.model}",
             f"rounds={args.rounds}", "local.epochs=1", "progress=false", "plots=false", "checkpoint_every=0",
-            "threads=1"]  # one thread a process (4 ClientApps on 2 cores), and the same reduction order everywhere
+            "runtime.threads=1"]  # one thread a process (4 ClientApps on 2 cores), and the same reduction order everywhere
     if args.dataset == "mnist5k":
         sets.append("partition.samples_per_client=200")
     cfg = load_config(None, sets, args.algorithm)

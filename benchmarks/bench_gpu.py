@@ -9,7 +9,7 @@ Candidates (each trains the same clients on the same seeded batches from the sam
   bare-graph       the same with each full batch's step (forward, backward, SGD) replayed as one captured CUDA
                    graph (PyTorch's whole-network capture recipe), the short last batch eager
   engine-1by1      pfedkit's Cohort one client after another (Cohort(lockstep=False))
-  engine-lockstep  the Cohort's lockstep path, eager (local.cuda_graphs=false): all clients' steps as grouped
+  engine-lockstep  the Cohort's lockstep path, eager (runtime.cuda_graphs=false): all clients' steps as grouped
                    convolutions and batched linear layers, dozens of kernel launches a step for all clients
   engine           the Cohort as it runs by default on a GPU: lockstep, each step one CUDA graph replay
 

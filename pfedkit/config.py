@@ -96,8 +96,17 @@ class LocalConfig:
     lr: float = at_least(0.0, 0.05, open_low=True)
     momentum: float = at_least(0.0, 0.0, high=1.0)
     weight_decay: float = at_least(0.0, 0.0)
-    # clients trained side by side, each in a thread of one core (the per-client path: convolutional and BatchNorm
-    # models): 0 = auto (as many as PyTorch's CPU threads on a CPU, else 1), 1 = one client after another
+
+
+@dataclass
+class RuntimeConfig:
+    """How the clients run, never what they compute: a client's arithmetic is the same whichever way it runs
+    (tests/test_one_arithmetic.py), so a resumed run may change any key here."""
+    # torch intra-op threads for the server's work; 0 = leave PyTorch's default. Bounded: OpenMP crashes (a segfault
+    # in libgomp) when asked for 100,000, and more threads than a machine has cores only slow it down
+    threads: int = at_least(0, 0, high=1024)
+    # clients trained side by side, each on one core (the per-client path: the CNNs on a CPU): 0 = auto (as many as
+    # PyTorch's CPU threads on a CPU, else 1), 1 = one client after another
     workers: int = at_least(0, 0, high=1024)  # as `threads`: a process or thread per worker
     # where the side-by-side clients of plain local training run (Cohort.train, every algorithm but pFedMe's and
     # Per-FedAvg's solvers): forked processes on Linux CPUs (no shared GIL: pfedkit/processes.py), or threads
@@ -105,6 +114,11 @@ class LocalConfig:
     # lockstep training on a GPU: each step one replay of a captured CUDA graph (cuda_graphs.py; same kernels,
     # launched at once) rather than dozens of small kernel launches from Python
     cuda_graphs: bool = True
+
+
+# keys of earlier pfedkit versions, read (in files and --set) under their present names
+MOVED_KEYS = {"threads": "runtime.threads", "local.workers": "runtime.workers",
+              "local.workers_in": "runtime.workers_in", "local.cuda_graphs": "runtime.cuda_graphs"}
 
 
 @dataclass
@@ -140,9 +154,7 @@ class Config:
     seeds: str = ""  # comma list: one run per seed into DIR/seed<s>/, comparison.md gives mean ± std over them
     device: str = choices("cpu", "cuda", "auto", default="cpu")
     checkpoint_every: int = at_least(0, 10)  # rounds between checkpoints; 0 = only at the end
-    # torch intra-op threads; 0 = leave PyTorch's default. Bounded: OpenMP crashes (a segfault in libgomp) when asked
-    # for 100,000, and more threads than a machine has cores only slow it down
-    threads: int = at_least(0, 0, high=1024)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # speed only
     progress: bool = True
     plots: bool = True
     # Per-algorithm sections (`fedprox: {mu: ...}`), filled from the registry; see `algorithm_sections`.
@@ -358,6 +370,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), algor
         raw = _read_yaml(Path(path))
     for text in overrides:
         keys, value = parse_override(text)
+        keys = MOVED_KEYS.get(".".join(keys), ".".join(keys)).split(".")
         node = raw
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -440,9 +453,25 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return str(exc).splitlines()[0]
 
 
+def moved_keys(raw: dict) -> dict:
+    """`raw` with the keys of earlier pfedkit versions (MOVED_KEYS: a run folder's config.yaml) moved to their
+    present names; a present name also given keeps its value."""
+    raw = dict(raw)
+    for old, new in MOVED_KEYS.items():
+        section, _, key = old.rpartition(".")
+        holder = raw.get(section) if section else raw
+        target = raw.get(new.split(".")[0], {})
+        if isinstance(holder, dict) and key in holder and isinstance(target, dict):
+            if section:
+                holder = raw[section] = dict(holder)
+            value = holder.pop(key)
+            raw[new.split(".")[0]] = {new.split(".")[1]: value, **target}
+    return raw
+
+
 def from_dict(raw: dict) -> Config:
     sections = algorithm_sections()
-    raw = dict(raw)
+    raw = moved_keys(raw)
     algo_raw = {name: raw.pop(name) for name in list(raw) if name in sections}
     try:
         cfg = build(Config, raw)

@@ -30,8 +30,8 @@ def resolve_device(name: str) -> torch.device:
 def prepare(cfg: Config) -> FederatedData:
     """Everything that can fail on bad input, before anything is written."""
     device = resolve_device(cfg.device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
     return build_federated(cfg, device)
 
 

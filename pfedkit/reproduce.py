@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from .config import BATCHNORM_MODELS, load_config
-from .engine.files import RESUMABLE_KEYS, atomic_write, flatten_config
+from .engine.files import RESUMABLE_KEYS, atomic_write, flatten_config, resumable
 from .errors import ConfigError, UpdateError
 from .experiment import is_run_folder, prepare, resume_experiment, run_experiment
 from .report import papers
@@ -112,7 +112,8 @@ def check_same_config(folder: Path, cfg) -> None:
     """A folder is resumed with the config it was started with; a different preset, --seeds or --set would
     silently be ignored (and the table would mix two protocols), so it is refused."""
     saved, wanted = flatten_config(load_config(folder / "config.yaml").to_dict()), flatten_config(cfg.to_dict())
-    changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k) and k not in HOW_NOT_WHAT)
+    changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k)
+                     and not resumable(k, HOW_NOT_WHAT))
     if changed:
         raise ConfigError(f"pfedkit reproduce: {folder} holds runs of another config ({', '.join(changed[:4])} "
                           "differ); use another --out, or delete the folder to start it again")

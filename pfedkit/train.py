@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cuda_graphs, processes
-from .config import LocalConfig
+from .config import LocalConfig, RuntimeConfig
 from .data import ClientData, FederatedData
 from .errors import DataError
 from .models import FlatModel, shaped
@@ -347,14 +347,14 @@ def lockstep_step(loss: BatchedLoss, s: LockstepState, x: torch.Tensor, y: torch
 
 
 def batched_sgd(loss: BatchedLoss, params: torch.Tensor, x_all: torch.Tensor, y_all: torch.Tensor,
-                idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig,
-                objective: Objective = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+                idx: torch.Tensor, mask: torch.Tensor, hp: LocalConfig, objective: Objective = PLAIN,
+                graphs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`sgd` for many clients at once (same steps, same batches); a client whose stream has ended stays put.
     params (C, D): the parameters and then the BatchNorm running statistics, updated as training mode does.
-    On a GPU (`local.cuda_graphs`) each step is one replay of a captured CUDA graph. Returns (trained params
+    On a GPU (`graphs`: `runtime.cuda_graphs`) each step is one replay of a captured CUDA graph. Returns (trained params
     (C, D), mean batch loss per client)."""
     s = LockstepState.begin(params.clone(), loss.param_size, hp.momentum > 0)
-    if not (hp.cuda_graphs and s.vectors.is_cuda and idx.shape[0] > 0
+    if not (graphs and s.vectors.is_cuda and idx.shape[0] > 0
             and graphed_lockstep(loss, s, x_all, y_all, idx, mask, hp, objective)):
         for t in range(idx.shape[0]):
             lockstep_step(loss, s, x_all[idx[t]], y_all[idx[t]], mask[t], hp, objective)
@@ -415,11 +415,11 @@ def replicas(model: FlatModel, n: int) -> list[FlatModel]:
     return kept[:n]
 
 
-def worker_count(model: FlatModel, hp: LocalConfig, clients: int) -> int:
-    """How many clients run side by side (`local.workers`; 0: as many as PyTorch's CPU threads). A small CNN's
+def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int) -> int:
+    """How many clients run side by side (`runtime.workers`; 0: as many as PyTorch's CPU threads). A small CNN's
     step at batch 32 runs about as fast on one core as on two, so two clients on one core each beat one client on
     two (benchmarks/bench_cnn_clients.py; the figures: docs/performance.md)."""
-    n = hp.workers or (torch.get_num_threads() if model.device.type == "cpu" else 1)
+    n = runtime.workers or (torch.get_num_threads() if model.device.type == "cpu" else 1)
     return max(1, min(n, clients))
 
 
@@ -454,8 +454,9 @@ class Cohort:
     object (side by side in threads or processes). Each client keeps its own seeded batch stream."""
 
     def __init__(self, cids: list[int], rnd: int, data: FederatedData, model: FlatModel, hp: LocalConfig,
-                 gens: list[torch.Generator], lockstep: bool | None = None):
+                 gens: list[torch.Generator], lockstep: bool | None = None, runtime: RuntimeConfig | None = None):
         self.cids, self.round, self.data, self.model, self.hp, self.gens = cids, rnd, data, model, hp, gens
+        self.runtime = runtime or RuntimeConfig()  # how the clients run: never what they compute
         self.force = lockstep  # None: decide by the measured heuristics below; True/False: always/never (tests)
 
     def __len__(self) -> int:
@@ -487,7 +488,7 @@ class Cohort:
             val.append((client.x_train[is_val], client.y_train[is_val]))
             fit_rows.append(rows[~is_val])
         fit = Cohort(list(range(len(self.cids))), self.round, self.data.train_rows(self.cids, fit_rows), self.model,
-                     self.hp, self.gens, self.force)
+                     self.hp, self.gens, self.force, self.runtime)
         return fit, val
 
     @property
@@ -545,7 +546,8 @@ class Cohort:
 
             def lockstep(rows: list[int]) -> None:
                 vectors, loss = self.batched(lambda: batched_sgd(
-                    self.loss, starts[rows], d.x_train, d.y_train, *self.part(rows).plan(hp), hp, objective.part(rows)))
+                    self.loss, starts[rows], d.x_train, d.y_train, *self.part(rows).plan(hp), hp, objective.part(rows),
+                    self.runtime.cuda_graphs))
                 trained[rows], losses[rows] = vectors, loss.double()
             in_threads(self.workers(), [lambda rows=rows: lockstep(rows) for rows in self.lockstep_parts(hp)])
             return trained, losses
@@ -580,7 +582,7 @@ class Cohort:
     def part(self, rows: list[int]) -> "Cohort":
         """The clients at positions `rows` as a cohort of their own (their generators shared: their streams go on)."""
         return Cohort([self.cids[i] for i in rows], self.round, self.data, self.model, self.hp,
-                      [self.gens[i] for i in rows], self.force)
+                      [self.gens[i] for i in rows], self.force, self.runtime)
 
     def lockstep_parts(self, hp: LocalConfig | list[LocalConfig] | None = None) -> list[list[int]]:
         """How a batchable cohort's clients split into locksteps, which decides only the time (a client computes the
@@ -604,13 +606,13 @@ class Cohort:
         return on_one_thread(fn) if self.data.device.type == "cpu" else fn()
 
     def workers(self) -> int:
-        return worker_count(self.model, self.hp, len(self.cids))
+        return worker_count(self.model, self.runtime, len(self.cids))
 
     def may_fork(self) -> bool:
-        """Whether `train` may run its side-by-side clients in forked processes (`local.workers_in`): on a Linux
+        """Whether `train` may run its side-by-side clients in forked processes (`runtime.workers_in`): on a Linux
         CPU, two or more at once; it does where that measures faster (`placement`). Each client runs on one thread
         either way, so the results are the same."""
-        return (self.hp.workers_in == "processes" and self.workers() > 1 and self.model.device.type == "cpu"
+        return (self.runtime.workers_in == "processes" and self.workers() > 1 and self.model.device.type == "cpu"
                 and processes.available())
 
     def placement(self) -> processes.Placement:

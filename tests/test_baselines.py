@@ -2,14 +2,13 @@
 evaluation rules (Per-FedAvg adapts on train data only)."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from pfedkit.algorithms import build_algorithm
 from pfedkit.train import Cohort
-from pfedkit.config import load_config
+from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.engine import Run
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
@@ -29,9 +28,9 @@ def setup(name: str, *extra: str):
 
 
 def cohort_of(cfg, data, model, cids, rnd=1, lockstep=None, workers=1):
-    """workers=1: one client after another on PyTorch's threads, as a Flower ClientApp trains its client."""
-    hp = dataclasses.replace(cfg.local, workers=workers)
-    return Cohort(cids, rnd, data, model, hp, [seeded_generator(cfg.seed, rnd, c) for c in cids], lockstep)
+    """workers=1: one client after another, as a Flower ClientApp trains its client."""
+    return Cohort(cids, rnd, data, model, cfg.local, [seeded_generator(cfg.seed, rnd, c) for c in cids], lockstep,
+                  RuntimeConfig(workers=workers))
 
 
 def assert_same_messages(got, want, exact):

@@ -164,7 +164,7 @@ def seeds_repeated(d: Path):
 
 
 def threads_100000(d: Path):
-    return ["run", "--set", "threads=100000"], ["config key 'threads': 100000 is out of range; allowed: >= 0 and "
+    return ["run", "--set", "runtime.threads=100000"], ["config key 'runtime.threads': 100000 is out of range; allowed: >= 0 and "
                                                 "<= 1024"]
 
 

@@ -166,3 +166,18 @@ def test_a_utf8_config_with_a_bom_and_comments_still_loads(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_bytes("\ufeff# réglages\nrounds: 3  # trois\n".encode("utf-8"))
     assert load_config(path).rounds == 3
+
+
+def test_speed_keys_of_earlier_versions_are_read_under_the_runtime_section(tmp_path):
+    """`threads` and `local.workers*`/`local.cuda_graphs` moved to `runtime:`; run folders and commands of earlier
+    versions still load (in a file and in --set), and a present name given beside an old one keeps its value."""
+    cfg = load_config(None, ["threads=3", "local.workers=2", "local.workers_in=threads", "local.cuda_graphs=false"])
+    assert (cfg.runtime.threads, cfg.runtime.workers, cfg.runtime.workers_in, cfg.runtime.cuda_graphs) == \
+        (3, 2, "threads", False)
+    path = tmp_path / "old.yaml"
+    path.write_text("threads: 2\nlocal:\n  lr: 0.2\n  workers: 1\nruntime:\n  workers: 4\n")
+    cfg = load_config(path)
+    assert (cfg.runtime.threads, cfg.runtime.workers, cfg.local.lr) == (2, 4, 0.2)
+    assert "threads" not in dump_config(cfg).split("runtime:")[0]  # written back under the present names only
+    with pytest.raises(ConfigError, match="runtime.threads"):
+        load_config(None, ["threads=-1"])

@@ -60,7 +60,7 @@ def test_allowed_values_are_the_fields_choices_and_ranges():
     assert rows["model.name"][1] == "`cnn`, `cnn_bn`, `lenet5`, `mlr`, `dnn`"
     assert rows["partition.test_fraction"][1] == "number >= 0.0 and <= 0.9"
     assert rows["partition.dirichlet_alpha"][1] == "number > 0.0"  # open at 0
-    assert rows["local.cuda_graphs"][1] == "`true`, `false`"
+    assert rows["runtime.cuda_graphs"][1] == "`true`, `false`"
     assert rows["heurpfedla.k"][0] == "`1`" and rows["pfedla.k"][0] == "`0`"  # HeurpFedLA's own default
     assert rows["pfedcs.lamda"][2] == rows["pfedme.lamda"][2]  # an inherited key reads its parent's meaning
 
@@ -84,8 +84,8 @@ def test_a_key_without_a_meaning_stops_the_generator(monkeypatch):
 
 
 def test_a_meaning_of_a_key_that_is_gone_stops_the_generator(monkeypatch):
-    monkeypatch.setitem(config_doc.MEANINGS, "local.workers_old", "a key the config no longer has")
-    with pytest.raises(KeyError, match="local.workers_old"):
+    monkeypatch.setitem(config_doc.MEANINGS, "runtime.workers_old", "a key the config no longer has")
+    with pytest.raises(KeyError, match="runtime.workers_old"):
         config_doc.render()
 
 

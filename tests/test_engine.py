@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pfedkit.config import load_config
 from pfedkit.engine import TIMING_KEYS, Run
-from pfedkit.errors import FAILED_FILE, UpdateError
+from pfedkit.errors import FAILED_FILE, PfedkitError, UpdateError
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import build_model
 from pfedkit.train import seeded_generator
@@ -250,3 +250,29 @@ def test_a_comparison_holds_one_finished_runs_training_state_at_a_time(tmp_path,
         assert run.server.state is None and run.server.sampler_state is None and run.clients.cstates == []  # ... and let go
     assert (tmp_path / "fedavg" / "summary.json").is_file() and (tmp_path / "pfedla" / "summary.json").is_file()
     assert metric_rows(tmp_path / "pfedla")[-1]["personalized_acc"] > 0
+
+
+def test_a_resumed_run_may_change_its_runtime_section_and_reads_the_keys_of_earlier_versions(tmp_path):
+    """How the clients run is not what they compute: a CNN run cut after round 3 (its clients side by side in
+    forked processes) and resumed one client after another on one thread, from a config.yaml in the earlier layout
+    (`threads`, `local.workers`), gives the uninterrupted run's metrics; a change outside `runtime:` is refused."""
+    from pfedkit.experiment import resume_experiment
+    cfg = load_config(None, ["dataset.name=mnist5k", "model.name=cnn", "partition.num_clients=4",
+                             "partition.samples_per_client=40", "rounds=5", "checkpoint_every=2", "local.batch_size=16",
+                             "progress=false", "plots=false", "runtime.workers=2", "runtime.workers_in=processes"],
+                      "fedavg")
+    run_experiment(cfg, tmp_path / "full", log=lambda s: None)
+    run_experiment(cfg, tmp_path / "cut", log=lambda s: None, stop_after=3)
+    saved = tmp_path / "cut" / "config.yaml"
+    text = saved.read_text()
+    runtime = "runtime:\n  threads: 0\n  workers: 2\n  workers_in: processes\n  cuda_graphs: true\n"
+    assert runtime in text
+    earlier = text.replace(runtime, "threads: 1\n").replace("local:\n", "local:\n  workers: 1\n  workers_in: threads\n")
+    saved.write_text(earlier.replace("lr: 0.05", "lr: 0.06"))
+    with pytest.raises(PfedkitError, match="local.lr"):
+        resume_experiment(tmp_path / "cut", log=lambda s: None)
+    saved.write_text(earlier)
+    resumed = load_config(saved)
+    assert (resumed.runtime.threads, resumed.runtime.workers, resumed.runtime.workers_in) == (1, 1, "threads")
+    resume_experiment(tmp_path / "cut", log=lambda s: None)
+    assert metric_rows(tmp_path / "cut" / "fedavg") == metric_rows(tmp_path / "full" / "fedavg")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import pfedkit.algorithms.fedfomo  # noqa: F401  (registers fedfomo)
 from pfedkit.algorithms import build_algorithm
-from pfedkit.config import load_config
+from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.engine import TIMING_KEYS
 from pfedkit.errors import DataError
 from pfedkit.experiment import prepare, resume_experiment, run_experiment
@@ -125,9 +125,9 @@ def test_a_client_alone_as_in_a_flower_clientapp_computes_what_the_simulators_co
     payloads = [{"peers": peers, "peer_ids": torch.tensor([0.0, 9.0])}] * 3
     states = [{"weights": b + 0.001 * c} for c in cids]
 
-    def cohort(d, positions, ids, lockstep):  # one client after another on PyTorch's threads, as a ClientApp
-        return Cohort(positions, 2, d, model, dataclasses.replace(cfg.local, workers=1),
-                      [seeded_generator(cfg.seed, 2, c) for c in ids], lockstep)
+    def cohort(d, positions, ids, lockstep):  # one client after another, as a ClientApp
+        return Cohort(positions, 2, d, model, cfg.local, [seeded_generator(cfg.seed, 2, c) for c in ids], lockstep,
+                      RuntimeConfig(workers=1))
 
     in_turn, _ = algo.client_update(payloads, states, cohort(data, cids, cids, False))
     lockstep, _ = algo.client_update(payloads, states, cohort(data, cids, cids, True))

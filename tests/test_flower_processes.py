@@ -22,7 +22,7 @@ pytest.importorskip("flwr", reason="pip install -e '.[flower]'")
 
 TAG = "PFEDKIT_TEST_RUN"
 TINY = ["dataset.name=digits", "model.name=mlr", "partition.num_clients=2", "progress=false", "plots=false",
-        "threads=1", "checkpoint_every=1"]
+        "runtime.threads=1", "checkpoint_every=1"]
 LONG = 400  # rounds: far more than any test waits for, so a run is always stopped mid-way
 
 

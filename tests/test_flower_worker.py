@@ -35,7 +35,7 @@ from pfedkit.flower.loopback import Loopback  # noqa: E402
 
 TAG = "PFEDKIT_TEST_WORKER"
 SMALL = ["dataset.name=mnist5k", "partition.samples_per_client=60", "model.name=cnn", "local.epochs=1",
-         "local.batch_size=20", "progress=false", "plots=false", "threads=1", "partition.num_clients=2", "rounds=2"]
+         "local.batch_size=20", "progress=false", "plots=false", "runtime.threads=1", "partition.num_clients=2", "rounds=2"]
 
 
 class ProcessWatch:

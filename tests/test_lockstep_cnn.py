@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pfedkit.config import load_config
+from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, seeded_generator
@@ -32,11 +32,13 @@ def setup(name: str, dtype: torch.dtype):
     return cfg, data, net
 
 
-def cohort(cfg, data, model, lockstep, **local):
-    """The test clients as one Cohort (`local` overrides cfg.local's keys); lockstep None: the device's default."""
+def cohort(cfg, data, model, lockstep, cuda_graphs=True, **local):
+    """The test clients as one Cohort (`local` overrides cfg.local's keys), one after another; lockstep None: the
+    device's default."""
     cids = list(range(len(SIZES)))
-    hp = dataclasses.replace(cfg.local, workers=1, **local)
-    return Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids], lockstep)
+    hp = dataclasses.replace(cfg.local, **local)
+    return Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids], lockstep,
+                  RuntimeConfig(workers=1, cuda_graphs=cuda_graphs))
 
 
 def module_at(net: torch.nn.Module, vector: torch.Tensor) -> torch.nn.Module:

@@ -6,12 +6,11 @@ CPU train client by client, each on one thread, alone or beside others. (The in-
 engine against Flower's runtimes, every algorithm, dense and CNN: tests/test_flower.py.)"""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
-from pfedkit.config import load_config
+from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Cohort, Objective, seeded_generator
@@ -75,8 +74,8 @@ def test_a_dense_clients_gradient_stream_is_the_same_alone_and_beside_the_others
 
 
 def test_a_cnn_client_trains_the_same_bits_alone_one_by_one_or_side_by_side_at_any_thread_count():
-    """The CNNs on a CPU train client by client: side by side in threads (`local.workers` 2, one intra-op thread
-    each), one after another (`local.workers` 1), or alone (a Flower ClientApp), each client's ops on one thread,
+    """The CNNs on a CPU train client by client: side by side in threads (`runtime.workers` 2, one intra-op thread
+    each), one after another (`runtime.workers` 1), or alone (a Flower ClientApp), each client's ops on one thread,
     so the same bits whatever the process's thread count (a convolution on two threads reduces in another order)."""
     cfg = load_config(None, ["dataset.name=mnist5k", "partition.num_clients=8", "partition.samples_per_client=40",
                              "model.name=cnn", "local.epochs=1", "local.batch_size=16", "progress=false"], "fedavg")
@@ -90,8 +89,8 @@ def test_a_cnn_client_trains_the_same_bits_alone_one_by_one_or_side_by_side_at_a
         for count in (2, 1):
             torch.set_num_threads(count)
             for workers in (2, 1):
-                hp = dataclasses.replace(cfg.local, workers=workers, workers_in="threads")
-                together = Cohort(cids, 3, data, model, hp, [seeded_generator(cfg.seed, 3, c) for c in cids])
+                together = Cohort(cids, 3, data, model, cfg.local, [seeded_generator(cfg.seed, 3, c) for c in cids],
+                                  runtime=RuntimeConfig(workers=workers, workers_in="threads"))
                 assert not together.batchable
                 results[count, workers] = together.train(starts)
             alone = [cohort(cfg, data, model, [c]).train(starts[k:k + 1]) for k, c in enumerate(cids)]

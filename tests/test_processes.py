@@ -1,9 +1,8 @@
-"""Side-by-side clients in forked worker processes (pfedkit/processes.py, `local.workers_in=processes`): the same
+"""Side-by-side clients in forked worker processes (pfedkit/processes.py, `runtime.workers_in=processes`): the same
 results as in threads, generator states carried back, every task run once, an error raised in the caller and no
 child left behind."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from pfedkit import processes
-from pfedkit.config import load_config
+from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.errors import DataError
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
@@ -37,9 +36,9 @@ def setup(model_name: str, clients: int = 5):
 
 
 def cohort(cfg, data, model, workers_in: str, workers: int = 2) -> Cohort:
-    hp = dataclasses.replace(cfg.local, workers=workers, workers_in=workers_in)
     cids = list(range(data.num_clients))
-    return Cohort(cids, 1, data, model, hp, [seeded_generator(cfg.seed, 1, c) for c in cids])
+    return Cohort(cids, 1, data, model, cfg.local, [seeded_generator(cfg.seed, 1, c) for c in cids],
+                  runtime=RuntimeConfig(workers=workers, workers_in=workers_in))
 
 
 @pytest.mark.parametrize("model_name", ["cnn", "cnn_bn"])
@@ -139,7 +138,7 @@ def test_one_worker_and_the_threads_setting_stay_in_this_process():
     assert not cohort(cfg, data, model, "processes", workers=1).may_fork()
     assert not cohort(cfg, data, model, "threads", workers=2).may_fork()
     with pytest.raises(Exception, match="workers_in"):
-        load_config(None, ["local.workers_in=forks"], "fedavg")
+        load_config(None, ["runtime.workers_in=forks"], "fedavg")
 
 
 def test_when_no_process_can_be_forked_the_work_is_done_here(monkeypatch):

@@ -207,8 +207,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_run_that_can_start_no_thread_gives_the_same_metrics(tmp_path):
-    args = ["run", "--algorithms", "fedavg,pfedme", *DIGITS, "--set", "rounds=2", "--set", "threads=2",
-            "--set", "local.workers=2", "--set", "local.workers_in=threads"]
+    args = ["run", "--algorithms", "fedavg,pfedme", *DIGITS, "--set", "rounds=2", "--set", "runtime.threads=2",
+            "--set", "runtime.workers=2", "--set", "runtime.workers_in=threads"]
     rows = {}
     for name, script in (("threads", "import sys; from pfedkit.cli import main; sys.exit(main(sys.argv[1:]))"),
                          ("none", NO_THREADS)):

@@ -2,7 +2,6 @@
 resume, small clients, ignored knobs, checks before anything is written, degenerate partitions, a full disk."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,8 +17,8 @@ import torch.nn.functional as F
 from pfedkit.config import LocalConfig, PartitionConfig, load_config
 from pfedkit.data import make_partition
 from pfedkit.engine import Run, check_update
-from pfedkit.engine.folder import LOCK, MARKER
-from pfedkit.errors import ConfigError, DataError, PfedkitError, UpdateError
+from pfedkit.engine.folder import LOCK
+from pfedkit.errors import ConfigError, DataError, UpdateError
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import batch_indices, seeded_generator

@@ -1,17 +1,16 @@
-"""Clients trained side by side (`local.workers`): each worker thread runs a client's ops on one intra-op thread
+"""Clients trained side by side (`runtime.workers`): each worker thread runs a client's ops on one intra-op thread
 with a model replica of its own, so every client's result is the one it gets alone on one thread, whatever worker
 ran it and in whatever order, BatchNorm statistics included."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pfedkit.config import ModelConfig, load_config
+from pfedkit.config import ModelConfig, RuntimeConfig, load_config
 from pfedkit.engine import TIMING_KEYS, Run
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
@@ -35,9 +34,9 @@ def cnn_bn_data(clients=5):
 
 
 def cohort(cfg, data, model, workers, rnd=1):
-    hp = dataclasses.replace(cfg.local, workers=workers)
     cids = list(range(data.num_clients))
-    return Cohort(cids, rnd, data, model, hp, [seeded_generator(cfg.seed, rnd, c) for c in cids])
+    return Cohort(cids, rnd, data, model, cfg.local, [seeded_generator(cfg.seed, rnd, c) for c in cids],
+                  runtime=RuntimeConfig(workers=workers))
 
 
 def test_side_by_side_training_equals_plain_loop_per_client(one_thread):
@@ -138,7 +137,7 @@ def test_runs_with_workers_equal_one_at_a_time_end_to_end(tmp_path, one_thread, 
     for workers in (1, 2):
         cfg = load_config(None, ["dataset.name=mnist5k", "model.name=cnn_bn", "partition.num_clients=4",
                                  "partition.samples_per_client=32", "rounds=2", "local.batch_size=16",
-                                 f"local.workers={workers}", "progress=false", "plots=false"], algorithm)
+                                 f"runtime.workers={workers}", "progress=false", "plots=false"], algorithm)
         run = Run(cfg.for_algorithm(algorithm), prepare(cfg), tmp_path / str(workers))
         run.run()
         rows[workers] = [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}

@@ -53,8 +53,14 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-RESUMABLE_KEYS = {"rounds", "progress", "plots", "threads", "device", "checkpoint_every",
-                  "local.workers", "local.workers_in", "local.cuda_graphs"}  # may change on resume
+# may change on resume: the `runtime` section whole (how clients run, never what they compute), and how a run is
+# shown, saved, where it runs and how long it goes on
+RESUMABLE_KEYS = {"runtime", "rounds", "progress", "plots", "device", "checkpoint_every"}
+
+
+def resumable(key: str, keys: set[str] = RESUMABLE_KEYS) -> bool:
+    """Whether flattened config key `key` ('runtime.workers') is one of `keys` or in a section of them."""
+    return key in keys or key.split(".")[0] in keys
 
 
 def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:

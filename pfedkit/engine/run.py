@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..algorithms import build_algorithm
-from ..config import Config, dump_config, short_repr
+from ..config import Config, dump_config, moved_keys, short_repr
 from ..data import FederatedData
 from ..errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from ..models import FlatModel, build_model
@@ -27,7 +27,7 @@ from ..provenance import provenance
 from ..report.plots import row_problem
 from ..sampling import Sampler
 from .clients import InProcessClients
-from .files import RESUMABLE_KEYS, ObservableLog, append_line, atomic_write, flatten_config, structure_mismatch
+from .files import ObservableLog, append_line, atomic_write, flatten_config, resumable, structure_mismatch
 from .folder import mark, root_of
 from .server import RoundStats, Server, _sync, metrics_row
 
@@ -151,7 +151,7 @@ class Run:
         # in process a bad update is a bug or diverged training: stop; from a deployment it is one faulty client
         self.server = Server(self.algo, self.sampler, self.device, strict=clients is None, min_replies=min_replies,
                              log=log)
-        self.clients = clients or InProcessClients(self.algo, data, self.model, cfg.local, cfg.seed)
+        self.clients = clients or InProcessClients(self.algo, data, self.model, cfg.local, cfg.seed, cfg.runtime)
         self.ckpt_path = self.out / "checkpoint.pt"
         self.metrics_path = self.out / "metrics.jsonl"
         self.observed = ObservableLog(self.out)
@@ -214,10 +214,9 @@ class Run:
             raise PfedkitError(f"cannot resume from {path}: its vectors are in parameter layout {str(layout)[:40]!r}, "
                                f"this pfedkit holds this model in {self.model.layout!r} (a checkpoint of another "
                                f"pfedkit version); {again}")
-        mine, theirs = flatten_config(self.cfg.to_dict()), flatten_config(ck["config"]) if isinstance(
+        mine, theirs = flatten_config(self.cfg.to_dict()), flatten_config(moved_keys(ck["config"])) if isinstance(
             ck["config"], dict) else {}
-        changed = [k for k in sorted(set(mine) | set(theirs)) if k not in RESUMABLE_KEYS
-                   and k.split(".")[0] not in RESUMABLE_KEYS and mine.get(k) != theirs.get(k)]
+        changed = [k for k in sorted(set(mine) | set(theirs)) if not resumable(k) and mine.get(k) != theirs.get(k)]
         if changed:
             k = changed[0]
             more = f" (and {len(changed) - 1} more keys differ)" if len(changed) > 1 else ""

@@ -94,8 +94,8 @@ class Loaded:
 
     def _build(self) -> FederatedData:
         cfg = self.cfg
-        if cfg.threads:  # else the runtime's default (Ray gives each simulation worker its share of the cores)
-            torch.set_num_threads(cfg.threads)
+        if cfg.runtime.threads:  # else the runtime's default (Ray gives each simulation worker its share of cores)
+            torch.set_num_threads(cfg.runtime.threads)
         cuda = cfg.device in ('cuda', 'auto') and torch.cuda.is_available()  # the node's own GPU, if any
         self.full = build_federated(cfg, 'cuda' if cuda else 'cpu')
         return self.full
@@ -203,7 +203,7 @@ def make_client_app(config_source: str | None = None, one_partition: bool = Fals
         payload = from_arrays(msg.content[ARRAYS], rt.data.device)
         cstate = states.load(rnd, algo, init)
         (update,), (state,) = fit_clients(algo, rt.data, model, one.local, one.seed, rnd, [pid], [payload], [cstate],
-                                          positions=[0])
+                                          positions=[0], runtime=one.runtime)
         states.save(rnd, state, int(info.get("checkpointed", 0)))
         tensors = {k: v for k, v in update.items() if isinstance(v, torch.Tensor)}
         numbers = {k: v for k, v in update.items() if not isinstance(v, torch.Tensor)}
@@ -222,7 +222,7 @@ def make_client_app(config_source: str | None = None, one_partition: bool = Fals
             glob = payload[str(info["global_key"])]
         train_loss = bool(info.get("train_loss", False))
         (vector,) = eval_vectors(algo, rt.train_only, model, one.local, one.seed, rnd, [pid], [payload],
-                                 [states.load(rnd + 1, algo, init)], positions=[0])
+                                 [states.load(rnd + 1, algo, init)], positions=[0], runtime=one.runtime)
         client = rt.data.client(0)
         correct, loss = score(model, vector, client, train_loss)
         numbers = {"correct": correct, "train_loss_sum": loss}

@@ -73,15 +73,15 @@ MEANINGS: dict[str, str] = {
     "local.lr": "local SGD learning rate",
     "local.momentum": "local SGD momentum",
     "local.weight_decay": "local SGD L2 weight decay",
-    "local.workers": "speed only: clients trained side by side, each on one core: `0` = as many as PyTorch's CPU "
+    "runtime.workers": "speed only: clients trained side by side, each on one core: `0` = as many as PyTorch's CPU "
                      "threads (1 on a GPU, where clients train in lockstep instead), `1` = one after another. On a CPU "
                      "every client's ops run on one thread, so its result depends neither on this nor on `threads`",
-    "local.workers_in": "speed only: where those side-by-side clients run in plain local training (every method "
+    "runtime.workers_in": "speed only: where those side-by-side clients run in plain local training (every method "
                         "but pFedMe's, pFedCS's and Per-FedAvg's own solvers): `processes` = this process and "
                         "forked children on a Linux CPU, where that is timed faster than threads (a fork's cost "
                         "grows with the process's memory), `threads` = threads of this process (always so on other "
                         "systems and devices). The results are the same either way",
-    "local.cuda_graphs": "speed only: on a GPU each lockstep training step is one replay of a captured CUDA graph "
+    "runtime.cuda_graphs": "speed only: on a GPU each lockstep training step is one replay of a captured CUDA graph "
                          "(the same kernels, bit for bit, launched at once instead of dozens of small launches from "
                          "Python); `false`: eager steps",
     "eval_every": "evaluate every this many rounds (and always at the last round)",
@@ -94,7 +94,7 @@ MEANINGS: dict[str, str] = {
              "mean ± std over seeds",
     "device": "`auto`: a GPU where PyTorch sees one, else the CPU",
     "checkpoint_every": "rounds between checkpoints (0: only at the end)",
-    "threads": "speed only: PyTorch's CPU threads (0: PyTorch's default) for the server's work; each client's "
+    "runtime.threads": "speed only: PyTorch's CPU threads (0: PyTorch's default) for the server's work; each client's "
                "training and evaluation runs on one thread whatever this is",
     "progress": "progress bar",
     "plots": "PNG figures",
@@ -284,11 +284,14 @@ def render() -> str:
     stale = _unused_meanings(sections)
     if stale:
         raise KeyError(f"meanings of keys the config no longer has: {', '.join(stale)}; remove them from {__name__}")
-    from ..engine.files import RESUMABLE_KEYS
-    resumable = ", ".join(f"`{key}`" for key, *_ in _fields(Config)
-                          if key in RESUMABLE_KEYS or key.split(".")[0] in RESUMABLE_KEYS)
+    from ..engine.files import resumable as may_change
+    resumable = ", ".join(f"`{key}`" for key, *_ in _fields(Config) if may_change(key))
+    from ..config import MOVED_KEYS
+    moved = ", ".join(f"`{old}` as `{new}`" for old, new in MOVED_KEYS.items())
     lines = [HEADER, f"A resumed run (`pfedkit run --resume DIR`) may change these keys in `DIR/config.yaml`, no "
-             f"others: {resumable}.", "", "## Keys", "", *_table(_builtin_rows()), "", ALGORITHMS_INTRO]
+             f"others: {resumable}.", "", "The `runtime` section says how the clients run, never what they compute. "
+             f"Keys of earlier versions are still read (in files and `--set`) under their present names: {moved}.",
+             "", "## Keys", "", *_table(_builtin_rows()), "", ALGORITHMS_INTRO]
     for name, params in sections.items():
         rows = [(f"{name}.{key}", _value(default), _allowed(f, tp), _algorithm_meaning(sections, name, key))
                 for key, f, tp, default in _fields(params)]
