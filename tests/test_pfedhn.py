@@ -20,7 +20,7 @@ from pfedkit.experiment import prepare, resume_experiment, run_experiment
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import Objective, predict, seeded_generator, sgd
 from test_baselines import cohort_of, setup
-from flat_layout import flat_params  # noqa: E402
+from flat_layout import flat_params, load_params  # noqa: E402
 
 N = 6
 
@@ -79,16 +79,16 @@ def per_client_gradients(ref: ReferenceHN, deltas: dict[int, torch.Tensor]) -> l
             for cid, delta in deltas.items()]
 
 
-def clipped_sum(per_client: list[list[torch.Tensor]], clip: float) -> list[torch.Tensor]:
-    """Each client's gradient scaled as torch.nn.utils.clip_grad_norm_(params, clip) scales it, then summed."""
-    total = [torch.zeros_like(g) for g in per_client[0]]
+def clipped(per_client: list[list[torch.Tensor]], clip: float) -> list[list[torch.Tensor]]:
+    """Each client's gradient scaled as torch.nn.utils.clip_grad_norm_(params, clip) scales it."""
+    out = []
     for grads in per_client:
         holders = [nn.Parameter(torch.zeros_like(g)) for g in grads]
         for h, g in zip(holders, grads):
             h.grad = g.clone()
         torch.nn.utils.clip_grad_norm_(holders, clip)
-        total = [t + h.grad for t, h in zip(total, holders)]
-    return total
+        out.append([h.grad for h in holders])
+    return out
 
 
 @pytest.mark.parametrize("model, optimizer, personal_head", [
@@ -121,7 +121,8 @@ def test_batched_server_equals_a_per_client_loop_and_torch_optimizers(model, opt
         norms = [float(torch.sqrt(sum((g * g).sum() for g in grads))) for grads in per_client]
         clip = sorted(norms)[len(norms) // 2] if rnd == 1 else 0.5 * min(norms)  # clips some, then all
         algo.params = dataclasses.replace(algo.params, hn_clip=clip)
-        want = clipped_sum(per_client, clip)
+        each = clipped(per_client, clip)
+        want = [sum(parts) for parts in zip(*each)]  # the hand-written backward sums the clipped gradients
         clipped_some |= any(n > clip for n in norms)
         idx = torch.as_tensor(cids)
         stacked_delta = torch.stack([deltas[c][shared[: fm.param_size]] for c in cids])
@@ -135,12 +136,14 @@ def test_batched_server_equals_a_per_client_loop_and_torch_optimizers(model, opt
         want_stacked["head_b"] = torch.cat(heads[1::2])
         for k in keys:
             assert torch.allclose(got[k], want_stacked[k], atol=1e-10, rtol=1e-9), k
-        # the round through the protocol: updates by name, the server's step against torch's optimizer
+        # the round through the protocol: updates by name, then the official trainer's optimizer step once per
+        # client, each with that client's clipped gradient at the round's hypernetwork (the one its model came from)
         updates = {c: make_update(10, 1.0, **{name: deltas[c][s] for name, s in algo.split.shared}) for c in cids}
         state = algo.aggregate(state, updates, {c: 1 / len(cids) for c in cids}, rnd)
-        for p, g in zip(params, want):
-            p.grad = g
-        opt.step()
+        for grads in each:
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
         for k, v in ref.as_stacked().items():
             assert torch.allclose(state["hn"][k], v, atol=1e-10, rtol=1e-9), (rnd, k)
     assert clipped_some
@@ -211,6 +214,45 @@ def test_clipped_sgd_equals_torch_clip_grad_norm_and_sgd():
     model.load(start)
     sgd(model, client, hp, seeded_generator(7))
     assert not torch.allclose(model.vector[: model.param_size], want, atol=1e-3)
+
+
+def test_a_clients_update_is_the_official_inner_loop_and_its_evaluated_model_the_generated_one():
+    """The client with the official trainer's inner settings by default (SGD lr 5e-3, momentum 0.9, weight decay
+    5e-5, the loss gradient clipped as clip_grad_norm_ does): a plain torch.optim.SGD loop on an nn.Module holding
+    the generated parameters, over the client's batch stream, ends at the client's trained model; the update is
+    sent - trained; the model evaluated is the generated one itself."""
+    cfg, data, model, algo = setup("pfedhn", "pfedhn.inner_clip=0.5", "local.steps=0", "local.epochs=2",
+                                   "local.batch_size=16")
+    p = algo.params
+    assert (p.inner_lr, p.inner_momentum, p.inner_weight_decay, p.hn_clip) == (5e-3, 0.9, 5e-5, 50.0)
+    state = algo.init_server(model.state())
+    cid, rnd, clip = 3, 2, 0.5
+    payload = algo.payloads(state, [cid], rnd)[cid]
+    cstate = algo.init_client(cid, model.state())
+    generated = algo.split.fill(cstate["weights"], payload)
+    (evaluated,) = algo.evaluated_models([payload], [cstate], cohort_of(cfg, data, model, [cid], rnd))
+    assert torch.equal(evaluated, generated) and not torch.equal(generated, model.state())
+    (update,), (after,) = algo.client_update([payload], [cstate], cohort_of(cfg, data, model, [cid], rnd))
+
+    net = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    load_params(generated[: model.param_size], net)
+    opt = torch.optim.SGD(net.parameters(), lr=5e-3, momentum=0.9, weight_decay=5e-5)
+    gen, client, norms = seeded_generator(cfg.seed, rnd, cid), data.client(cid), []
+    for _ in range(2):
+        perm = torch.randperm(client.num_train, generator=gen)
+        for i in range(0, client.num_train, 16):
+            idx = perm[i: i + 16]
+            opt.zero_grad()
+            F.cross_entropy(net(client.x_train[idx]), client.y_train[idx]).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+            opt.step()
+    assert any(n > clip for n in norms) and len(norms) > 4
+    trained = after["weights"][: model.param_size]
+    assert torch.allclose(trained, flat_params(net), atol=1e-6, rtol=1e-5)
+    moved = (trained - generated[: model.param_size]).abs().max()
+    assert moved > 1e-3  # it trained: the comparison means something
+    for name, s in algo.split.shared:
+        assert torch.allclose(update[name], generated[s] - after["weights"][s], atol=1e-7), name
 
 
 def mnist_cfg(*extra):

@@ -9,7 +9,7 @@ default Linear init (U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases),
 
 A round (batched over the round's C clients):
 - `payloads`: one batched forward (C, e) -> (C, P_gen); each client gets its generated parameters by layer.
-- client: writes them over its own vector, trains them with SGD (`inner_lr` or local.lr, momentum
+- client: writes them over its own vector, trains them with SGD (`inner_lr`, official 5e-3, momentum
   `inner_momentum`, weight decay `inner_weight_decay`, the loss gradient clipped to `inner_clip` as
   clip_grad_norm_) for `inner_steps` batches (0: the run's local schedule, so it does the same local work as the
   other methods of a comparison; the official trainer: 50, each a freshly shuffled batch, where pfedkit draws
@@ -17,12 +17,14 @@ A round (batched over the round's C clients):
 - `aggregate`: every client that sent an update contributes (the sampler's weights play no part). Client c's
   hypernetwork gradient is the vector-Jacobian product g_c = J_c^T delta_c, clipped to total norm `hn_clip` as
   the official trainer clips each one-client step: scaled by s_c = min(1, hn_clip / (||g_c|| + 1e-6)). The round's
-  gradient is sum_c s_c g_c (first-order the same as serving the clients one after another, as the official
-  trainer does; `sequential: true` serves them so), taken by torch.optim.SGD's rule with momentum and weight
-  decay (the embedding table with `embed_lr`) or Adam's (`hn_optimizer: adam`; the official Adam option has no
-  weight decay: set hn_weight_decay=0 for it): hypernet.HypernetOptimizer on the whole hypernetwork. As in
-  PyTorch, the embedding table's gradient is nonzero only on the round's rows, but weight decay and momentum move
-  every row.
+  hypernetwork takes one optimizer step per client, as the official trainer steps once for each client it serves
+  (so momentum and weight decay act once per client), each with that client's s_c g_c taken at the round's
+  hypernetwork, the one its model came from (the official trainer serves the clients one after another, each
+  from the hypernetwork the earlier ones moved: `sequential: true` does so). The rule is torch.optim.SGD's with
+  momentum and weight decay (the embedding table with `embed_lr`) or Adam's (`hn_optimizer: adam`; the official
+  Adam option has no weight decay: set hn_weight_decay=0 for it): hypernet.HypernetOptimizer on the whole
+  hypernetwork. As in PyTorch, a client's embedding gradient is nonzero only on its own row, but weight decay and
+  momentum move every row.
   The gradient is backpropagated by hand, batched: the head's gradient is (s delta)^T F (F the clients' features,
   C x 100), and the MLP's (small) per-client backward signals give both the per-client norms, which are analytic
   (an outer product's norm is the product of the norms: ||delta_c||^2 (||f_c||^2 + 1) for the head and likewise
@@ -64,7 +66,7 @@ class PFedHNParams:
     inner_weight_decay: float = at_least(0.0, 5e-5)
     inner_clip: float = at_least(0.0, 50.0)  # 0: off
     inner_steps: int = at_least(0, 0)  # 0: the run's local.epochs / local.steps
-    inner_lr: float = at_least(0.0, 0.0)  # 0: local.lr (official 5e-3 with momentum 0.9: an effective step of 0.05)
+    inner_lr: float = at_least(0.0, 5e-3)  # the official --inner-lr; 0: the run's local.lr
     personal_head: bool = False  # pFedHN-PC: each client keeps its own classifier head
     sequential: bool = False  # the official trainer's one-client-at-a-time steps
 
@@ -203,7 +205,9 @@ class PFedHN(Algorithm):
         delta = torch.cat([updates[c][name] for c in cids for name, _, _ in self.parts]).view(len(cids), -1)
         idx = torch.as_tensor(cids, device=delta.device)
         with torch.no_grad():
-            self.optimizer.step(state, self.hn_gradient(state["hn"], idx, delta))
+            start = {k: v.clone() for k, v in state["hn"].items()} if len(cids) > 1 else state["hn"]
+            for k in range(len(cids)):  # one step per client, each gradient at the round's hypernetwork
+                self.optimizer.step(state, self.hn_gradient(start, idx[k: k + 1], delta[k: k + 1]))
         return state
 
     def describe(self) -> dict:

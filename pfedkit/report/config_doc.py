@@ -154,7 +154,7 @@ ALGORITHM_MEANINGS: dict[str, str] = {
     "pfedhn.inner_weight_decay": "the client's weight decay (`local.weight_decay` is not read)",
     "pfedhn.inner_clip": "the client's gradient norm clip",
     "pfedhn.inner_steps": "local steps per round (0: the run's `local.epochs`/`steps`; official: 50)",
-    "pfedhn.inner_lr": "the client's SGD step on the generated model (0: `local.lr`)",
+    "pfedhn.inner_lr": "the client's SGD step on the generated model: the official trainer's `--inner-lr` (0: `local.lr`)",
     "pfedhn.personal_head": "pFedHN-PC: each client keeps its own classifier head, the hypernetwork generates the "
                             "body",
     "pfedhn.sequential": "serve a round's clients one after another (the official trainer's order)",
