@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from scipy import stats
 
 from .config import BATCHNORM_MODELS, load_config
 from .engine.files import RESUMABLE_KEYS, atomic_write, flatten_config, resumable
@@ -212,6 +213,28 @@ def _header(target: Target, scale: str, seeds: str) -> list[str]:
             ""]
 
 
+def kendall_tau(ours: dict[str, float | None], paper: dict[str, float | None]) -> str:
+    """Kendall's tau-b between our values and the paper's over the methods both have (1: the same order, -1: the
+    reverse), with its two-sided p-value (scipy.stats.kendalltau) and the number of methods."""
+    names = [n for n in ours if ours[n] is not None and paper.get(n) is not None]
+    if len(names) < 3:
+        return "–"
+    tau, p = stats.kendalltau([ours[n] for n in names], [paper[n] for n in names])
+    return "–" if np.isnan(tau) else f"τ {tau:+.2f} (p {p:.2f}, n {len(names)})"
+
+
+def majority(runs_by_method: dict[str, list], key: str = "majority_label_acc") -> list[dict | None]:
+    """Per seed, the first finished run's summary (the majority-label reference is the partition's, the same for
+    every method of a seed), as a run list for `fmt`."""
+    per_seed = zip(*runs_by_method.values()) if runs_by_method else []
+    return [next((r for r in seed if isinstance(r, dict) and key in r), None) for seed in per_seed]
+
+
+def _mean_of(runs: list | None, key: str) -> float | None:
+    stat = mean_std(runs or [], key)
+    return None if stat is None else stat[0]
+
+
 def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
     table = papers.TABLE1 if target.name == "table1" else papers.TABLE2
     cols = list(results)
@@ -226,9 +249,17 @@ def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: 
             ours = "–" if runs is None else fmt(runs, "personalized_acc")
             cells += [ours, table.get(name, {}).get(c.key, "–")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| *majority label (reference)* | " + " | ".join(
+        f"{fmt(majority(results[c]), 'majority_label_acc')} | –" for c in cols) + " |")
+    lines.append("| *rank agreement with the paper* | " + " | ".join(
+        kendall_tau({m: _mean_of(results[c].get(m), "personalized_acc") for m in methods},
+                    {m: _paper_value(table.get(m, {}).get(c.key)) for m in methods}) + " | –" for c in cols) + " |")
     lines += ["", target.what, "Ours: mean ± sample std (n − 1) over seeds; each seed draws its own partition, "
               "initialization and client sampling, the same for every method. –: no entry (FedBN: the model has no "
-              "BatchNorm, as in the paper; Table 1's FedAvg row is not legible in the paper)."]
+              "BatchNorm, as in the paper; Table 1's FedAvg row is not legible in the paper). Majority label: each "
+              "client always predicts its most frequent training label (a personalized accuracy near it learned "
+              "little beyond the label skew). Rank agreement: Kendall's τ-b between our means and the paper's "
+              "numbers over the methods both have (+1 the same order, −1 the reverse; p: two-sided, n: methods)."]
     return "\n".join(lines + _per_seed(results, "personalized_acc")) + "\n"
 
 
@@ -246,8 +277,14 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
             acc = fmt(runs, "personalized_acc")
             lines.append(f"| {c.label.split()[0]} | {name} (k={k}) | {acc} "
                          f"| {paper[0] if paper else '–'} | {down} | {both} | {paper[1] if paper else '–'} |")
+        ks = {name: 0 if name == "pfedla" else int(name.split("k=")[1]) if "k=" in name else 1 for name in res}
+        tau = kendall_tau({n: _mean_of(runs, "personalized_acc") for n, runs in res.items()},
+                          {n: _paper_value((papers.TABLE3.get((c.key[0], k)) or [None])[0]) for n, k in ks.items()})
+        lines.append(f"| {c.label.split()[0]} | *majority label (reference)* | "
+                     f"{fmt(majority(res), 'majority_label_acc')} | | | | |")
+        lines.append(f"| {c.label.split()[0]} | *rank agreement with the paper over k* | {tau} | | | | |")
     lines += ["", target.what, "The paper's MB are for its own model and rounds; compare the trend over k, not "
-              "the values."]
+              "the values. Rank agreement: Kendall's τ-b between our accuracies and the paper's over the k values."]
     return "\n".join(lines + _per_seed(results, "personalized_acc")) + "\n"
 
 
@@ -267,12 +304,25 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
             gm, pm = fmt(runs, "global_acc_weighted"), fmt(runs, "personalized_acc_weighted")
             lines.append(f"| {name} | {gm} | {pm} | {g_gain} | {_signed(paper[0])} | {p_gain} "
                          f"| {_signed(paper[1])} |")
-        lines.append("")
+        pooled = "majority_label_acc_weighted"
+        lines.append(f"| *majority label (reference)* | – | {fmt(majority(res, pooled), pooled)} | | | | |")
+        taus = [kendall_tau({n: _mean_gain(ours_cs, runs, key) for n, runs in res.items() if n != "pfedcs"},
+                            {n: g[i] for n, g in gains.items()})
+                for i, key in enumerate(("global_acc_weighted", "personalized_acc_weighted"))]
+        lines += ["", f"Rank agreement of the gains with the paper's: GM {taus[0]}; PM {taus[1]}.", ""]
     lines += [target.what, "Gains: per seed, pFedCS's value minus the method's on the same partition and sampling "
               "stream, mean ± sample std over seeds. The paper reports PM gains only against the methods with a "
-              "personalized model (Per-FedAvg, FedTC)."]
+              "personalized model (Per-FedAvg, FedTC). Majority label: each client always predicts its most frequent "
+              "training label, pooled over all test samples as PM is. Rank agreement: Kendall's τ-b between our "
+              "mean gains and the paper's over the baselines both have (n < 3: –)."]
     lines += _per_seed(results, "global_acc_weighted") + _per_seed(results, "personalized_acc_weighted")
     return "\n".join(lines) + "\n"
+
+
+def _mean_gain(reference: list, runs: list, key: str) -> float | None:
+    diffs = [metric(a, key) - metric(b, key) for a, b in zip(reference, runs)
+             if metric(a, key) is not None and metric(b, key) is not None]
+    return float(np.mean(diffs)) if diffs else None
 
 
 def _gain(reference: list, runs: list, key: str) -> str:

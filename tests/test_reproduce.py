@@ -44,6 +44,11 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     assert cells(text, "fedavg")[1] == "–"  # Table 1's FedAvg row is not legible in the paper
     assert not any(line.startswith("| fedbn |") for line in text.splitlines())  # no BN in the FMNIST CNN
     assert "unweighted mean over clients" in text
+    majority = [json.loads((out / "fmnist_10" / f"seed{s}" / "local" / "summary.json").read_text())
+                ["majority_label_acc"] for s in (0, 1)]
+    assert cells(text, "*majority label (reference)*")[:2] == [
+        f"{100 * statistics.mean(majority):.2f} ± {100 * statistics.stdev(majority):.2f}", "–"]
+    assert cells(text, "*rank agreement with the paper*")[0].startswith("τ ")
     # the same command again finds every run done: nothing is retrained
     stamp = (out / "fmnist_10" / "seed0" / "pfedla" / "summary.json").stat().st_mtime_ns
     assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(out), *sets(TINY)]) == 0
@@ -68,6 +73,36 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     assert not (out / "fmnist_10" / "seed1" / "fedrep" / "summary.json").exists()
 
 
+def hand_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau for values without ties: (concordant - discordant) pairs over all pairs."""
+    pairs = [(i, j) for i in range(len(xs)) for j in range(i + 1, len(xs))]
+    signs = [(xs[i] - xs[j]) * (ys[i] - ys[j]) for i, j in pairs]
+    return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(pairs)
+
+
+def test_every_accuracy_table_says_how_far_its_ranking_agrees_with_the_papers():
+    """The rank-agreement row: Kendall's tau over the methods both sides have, against a hand count of concordant
+    and discordant pairs; methods without a paper number (or not run) are left out; under 3 methods: no tau."""
+    from pfedkit.reproduce import TARGETS, accuracy_table, columns_of
+    column = columns_of(TARGETS["table1"], "fmnist")[0]  # FMNIST 10
+
+    def run(acc, majority=0.5):
+        return {"personalized_acc": acc, "majority_label_acc": majority}
+    ours = {"local": 0.80, "fedavg": 0.85, "pfedme": 0.70, "pfedhn": 0.90, "fedrep": 0.88, "pfedla": 0.86,
+            "heurpfedla": 0.83}
+    results = {column: {name: [run(acc), run(acc + 0.01, 0.6)] for name, acc in ours.items()}}
+    text = accuracy_table(TARGETS["table1"], results, Path("."), "reduced", "0,1")
+    paper = {"local": 85.83, "pfedme": 90.43, "pfedhn": 94.83, "fedrep": 93.17, "pfedla": 94.34, "heurpfedla": 95.47}
+    both = list(paper)  # fedavg has no legible number in Table 1: left out
+    tau = hand_tau([ours[m] for m in both], [paper[m] for m in both])
+    assert cells(text, "*rank agreement with the paper*")[0].startswith(f"τ {tau:+.2f} (p ")
+    assert cells(text, "*rank agreement with the paper*")[0].endswith(f", n {len(both)})")
+    assert cells(text, "*majority label (reference)*")[0] == "55.00 ± 7.07"
+    few = {column: {name: results[column][name] for name in ("local", "fedavg", "pfedme")}}
+    assert cells(accuracy_table(TARGETS["table1"], few, Path("."), "reduced", "0,1"),
+                 "*rank agreement with the paper*")[0] == "–"
+
+
 def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
     out = tmp_path / "cs"
     extra = ["rounds=1", "eval_every=1", "partition.num_clients=6", "clients_per_round=2", "local.steps=2",
@@ -88,6 +123,11 @@ def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
     assert row[2] == f"{statistics.mean(gm):+.2f} ± {statistics.stdev(gm):.2f}"
     assert row[3] == "+0.45" and row[5] == "+1.85"  # the paper's Synthetic/MLR gains over FedTC
     assert "pooled over all clients' test samples" in text
+    pooled = [json.loads((folder / f"seed{s}" / "fedavg" / "summary.json").read_text())["majority_label_acc_weighted"]
+              for s in (0, 1)]
+    assert cells(mlr, "*majority label (reference)*")[1] == \
+        f"{100 * statistics.mean(pooled):.2f} ± {100 * statistics.stdev(pooled):.2f}"
+    assert "Rank agreement of the gains with the paper's: GM τ " in mlr
 
 
 def test_a_missing_dataset_is_named_with_where_to_put_it_before_anything_runs(tmp_path, capsys):

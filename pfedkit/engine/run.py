@@ -347,6 +347,8 @@ class Run:
             "mb_up_total": self.totals["bytes_up"] / 1e6, "mb_down_total": self.totals["bytes_down"] / 1e6,
             "server_s_total": self.totals["server_s"],
             "majority_label_acc": float(self.data.majority_label_accuracy().mean()),
+            "majority_label_acc_weighted": float((self.data.majority_label_accuracy() * self.data.test_sizes).sum()
+                                                 / max(int(self.data.test_sizes.sum()), 1)),
             "target_acc": self.cfg.target_acc or None,
             "stopped_at": self.totals["round"] if self.stop_reason else None, "stop_reason": self.stop_reason,
             "rounds_to_target": self._first_round("personalized_acc"),
