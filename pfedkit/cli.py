@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from pathlib import Path
 
 from . import PRESETS
-from .errors import PfedkitError
+from .errors import ConfigError, PfedkitError
 from .stopping import stop_on
 
 
@@ -56,12 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every column, e.g. --set dataset.root=/data (repeatable)")
-    rep.add_argument("--out", type=Path, required=True, help="output folder (run again with the same --out to "
-                     "resume an interrupted reproduction)")
+    rep.add_argument("--out", type=Path, help="output folder (run again with the same --out to resume an "
+                     "interrupted reproduction); required unless --dry-run")
     rep.add_argument("--allow-version-change", action="store_true", help="resume runs in --out that another "
                      "pfedkit version (or an edited source) started, mixing the two versions' results")
     rep.add_argument("--table-only", action="store_true", help="run nothing: write the table and figure from the "
                      "runs finished so far in --out (the others' cells say pending)")
+    rep.add_argument("--dry-run", action="store_true", help="run and write nothing: print each column's resolved "
+                     "config (what its runs' config.yaml would hold) as one JSON object a line")
     return p
 
 
@@ -169,7 +172,15 @@ def _command(args) -> int:
                 raise PfedkitError(f"{d} holds no metrics.jsonl (not a pfedkit run folder)")
             print("\n".join(map(str, paths)))
         elif args.command == "reproduce":
-            from .reproduce import reproduce
+            from .reproduce import reproduce, resolved
+            if args.dry_run:
+                for line in resolved(args.target, dataset=args.dataset, scale=args.scale, seeds=args.seeds,
+                                     extra=args.overrides):
+                    print(json.dumps(line))
+                return 0
+            if args.out is None:
+                raise ConfigError("pfedkit reproduce: --out is required (the folder of the runs and the table), "
+                                  "unless --dry-run")
             out = args.out
             reproduce(args.target, args.out, dataset=args.dataset, scale=args.scale, seeds=args.seeds,
                       extra=args.overrides, run=not args.table_only, allow_version_change=args.allow_version_change)

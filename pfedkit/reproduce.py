@@ -109,6 +109,15 @@ def column_config(target: Target, column: Column, scale: str, seeds: str, extra:
 HOW_NOT_WHAT = RESUMABLE_KEYS - {"rounds"}
 
 
+def resolved(target_name: str, *, dataset: str | None = None, scale: str = "reduced", seeds: str = "0,1,2",
+             extra: list[str] | None = None) -> list[dict]:
+    """Each column's config as its runs would write it, without running or writing anything (`--dry-run`)."""
+    target = TARGETS[target_name]
+    return [{"target": target.name, "column": c.label, "scale": scale, "preset": str(preset_path(c, scale).relative_to(
+        PRESETS.parent)), "config": column_config(target, c, scale, seeds, extra or []).to_dict()}
+        for c in columns_of(target, dataset)]
+
+
 def check_same_config(folder: Path, cfg) -> None:
     """A folder is resumed with the config it was started with; a different preset, --seeds or --set would
     silently be ignored (and the table would mix two protocols), so it is refused."""

@@ -458,3 +458,15 @@ def test_pfedcs_personal_gradient_in_lockstep():
     for update, cstate in zip(updates, states):
         assert torch.allclose(update["gradient"], cstate["personal"] - w)
         assert float(update["gradient"].abs().max()) > 1e-4
+
+
+def test_pfedme_local_epochs_make_r_cover_passes_over_each_clients_data():
+    """`pfedme.local_epochs` E: R = E x ceil(n_i / B) batches for client i (the pFedLA tables' local epochs), in
+    place of the fixed `local_rounds`."""
+    cfg, data, model, algo = setup("pfedme", "pfedme.local_epochs=3")
+    cids = [0, 5]
+    stream = cohort_of(cfg, data, model, cids).stream(algo.plan(cfg.local))
+    sizes = [int(data.train_sizes[c]) for c in cids]
+    want = [3 * -(-n // cfg.local.batch_size) for n in sizes]
+    assert sizes[0] != sizes[1] and stream.steps == max(want)
+    assert [int(stream.mask[:, k].sum(1).gt(0).sum()) for k in range(len(cids))] == want

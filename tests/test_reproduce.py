@@ -137,3 +137,51 @@ def test_a_missing_dataset_is_named_with_where_to_put_it_before_anything_runs(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "emnist" in err[0] and "dataset.root" in err[0]
     assert not out.exists()
+
+
+# The pFedLA paper's protocol (section 4.1-4.2), written out here from the paper, not from the presets
+PAPER_LR = {"emnist": 0.005, "fmnist": 0.005, "cifar10": 0.01, "cifar100": 0.01}
+PAPER_MODEL = {"emnist": "cnn", "fmnist": "cnn", "cifar10": "cnn_bn", "cifar100": "cnn_bn"}
+PAPER_SETTING = {10: (10, 600, 10), 100: (10, 2500, 20)}  # clients -> (a round, rounds, local epochs)
+
+
+def test_every_full_scale_column_is_the_papers_protocol_and_the_docs_table_says_so(capsys):
+    """`reproduce --scale full --dry-run` resolves every column of Tables 1-3 (nothing runs); each is the pFedLA
+    paper's protocol for every method (the baselines' local work is the table's epochs, their step sizes the
+    table's lr or their own papers'), every client holds the same data at 10 and 100 clients, and each row of
+    docs/reproduce.md's protocol table is what the preset resolves to."""
+    doc = (Path(__file__).parent.parent / "docs" / "reproduce.md").read_text(encoding="utf-8")
+    rows = {(r[0], r[1]): r for r in ([c.strip() for c in line.strip("|").split("|")]
+                                      for line in doc.splitlines() if line.startswith("| table"))}
+    share = {}
+    checked = 0
+    for target in ("table1", "table2", "table3"):
+        assert main(["reproduce", target, "--scale", "full", "--dry-run"]) == 0
+        for line in capsys.readouterr().out.splitlines():
+            column = json.loads(line)
+            cfg, name = column["config"], column["column"]
+            dataset, part = cfg["dataset"]["name"], cfg["partition"]
+            clients = part["num_clients"]
+            a_round, rounds, epochs = PAPER_SETTING[clients]
+            lr = PAPER_LR[dataset]
+            assert (cfg["clients_per_round"] or clients, cfg["rounds"], cfg["local"]["epochs"]) == \
+                (a_round, rounds, epochs), name
+            assert (cfg["local"]["batch_size"], cfg["local"]["lr"], cfg["model"]["name"], part["test_fraction"]) == \
+                (32, lr, PAPER_MODEL[dataset], 0.3), name
+            if target == "table2":
+                assert (part["scheme"], part["dominant_classes"]) == ("dominant", 6 if dataset == "cifar100" else 2)
+            else:
+                assert (part["scheme"], part["classes_per_client"]) == ("classes", 12 if dataset == "cifar100" else 4)
+            assert share.setdefault(("table2" if target == "table2" else "table1", dataset),
+                                    part["samples_per_client"]) == part["samples_per_client"] > 0, name
+            pfedme, fedrep, pfedhn = cfg["pfedme"], cfg["fedrep"], cfg["pfedhn"]
+            assert (pfedme["local_epochs"], pfedme["eta"], pfedme["train_all"]) == (epochs, lr, False), name
+            assert fedrep["head_epochs"] + fedrep["body_epochs"] == epochs and fedrep["body_epochs"] == 1, name
+            assert (pfedhn["inner_lr"], pfedhn["inner_momentum"], pfedhn["inner_weight_decay"],
+                    pfedhn["inner_steps"]) == (0.005, 0.9, 5e-5, 0), name
+            row = rows[(target, name)]
+            assert row[2:9] == [str(clients), str(a_round), str(rounds), str(epochs), "32", str(lr),
+                                str(part["samples_per_client"])], (target, name, row)
+            assert row[10] == PAPER_MODEL[dataset] and row[12] == f"{epochs - 1} + 1", (target, name, row)
+            checked += 1
+    assert checked == 19 == len(rows)

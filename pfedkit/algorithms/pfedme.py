@@ -28,6 +28,8 @@ from .base import GRADIENT_KEY, Algorithm, Message, State, make_update, stacked,
 class PFedMeParams:
     # Defaults: the pFedMe README's MNIST/MLR setting (eta 0.005, plr 0.1, lambda 15, R 20, K 5)
     local_rounds: int = at_least(1, 20)  # R: mini-batches per round (pFedMe's --local_epochs)
+    # > 0: R covers this many passes over the client's data instead (the pFedLA tables' local epochs)
+    local_epochs: int = at_least(0, 0, high=10_000)
     inner_steps: int = at_least(1, 5)  # K: steps on each mini-batch
     eta: float = at_least(0.0, 0.005, open_low=True)  # the local copy's step (pFedMe's --learning_rate)
     personal_lr: float = at_least(0.0, 0.1, open_low=True)  # plr (pFedMe: 0.1/0.09 MNIST, 0.01 Synthetic)
@@ -61,8 +63,11 @@ class PFedMe(Algorithm):
         return getattr(self.params, "gradient", "local") == "personal"
 
     def plan(self, hp: LocalConfig) -> LocalConfig:
-        """R mini-batches per round, drawn like any local stream (seeded permutations, cycling)."""
-        return LocalConfig(epochs=0, steps=self.params.local_rounds, batch_size=hp.batch_size, lr=self.params.eta)
+        """R mini-batches per round (or `local_epochs` passes), drawn like any local stream (seeded permutations,
+        cycling)."""
+        p = self.params
+        return LocalConfig(epochs=p.local_epochs, steps=0 if p.local_epochs else p.local_rounds,
+                           batch_size=hp.batch_size, lr=p.eta)
 
     def update_shapes(self) -> dict:
         shapes = {"weights": (self.model.size,)}

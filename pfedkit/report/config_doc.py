@@ -129,6 +129,8 @@ ALGORITHM_MEANINGS: dict[str, str] = {
     "perfedavg.adapt_steps": "SGD steps from the global model on the client's *train* batches before it is "
                              "evaluated",
     "pfedme.local_rounds": "R: mini-batches per round (batch size `local.batch_size`)",
+    "pfedme.local_epochs": "> 0: R covers this many passes over the client's data instead of `local_rounds` "
+                           "batches (the pFedLA tables' local epochs)",
     "pfedme.inner_steps": "K: steps on each mini-batch towards the proximal point",
     "pfedme.eta": "η, the local copy's step w_loc ← w_loc − η λ (w_loc − θ) (pFedMe's `--learning_rate`); pFedMe "
                   "and pFedCS do not read `local.lr`, `local.epochs`, `local.steps`, `local.momentum` or "
