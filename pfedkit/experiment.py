@@ -181,6 +181,8 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
     log(data.summary())
     for warning in data.warnings:
         log(f"warning: {warning}")
+    if runs and hasattr(runs[0].clients, "runner"):  # in process: the way the clients train, said once
+        log(runs[0].clients.runner.describe())
     run_dirs, summaries = [], []
     for name, run in zip(cfg.algorithms(), runs):
         run_dir = out / name

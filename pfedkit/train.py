@@ -24,7 +24,7 @@ from . import cuda_graphs, processes
 from .config import LocalConfig, RuntimeConfig
 from .data import ClientData, FederatedData
 from .errors import DataError
-from .models import FlatModel, shaped
+from .models import FlatModel, native, shaped
 
 T = TypeVar("T")
 
@@ -287,6 +287,7 @@ class BatchedLoss:
         self.names = [(n, s, shape) for n, s, shape in model.names if s.start < model.param_size]
         self.buffer_names = [(n, slice(s.start - model.param_size, s.stop - model.param_size), shape)
                              for n, s, shape in model.names if s.start >= model.param_size]
+        self.graphs: cuda_graphs.GraphCache | None = None  # the steps captured for this model (graphed_lockstep)
 
     def __call__(self, params, x, y, mask, buffers=None):
         c = len(params)
@@ -381,7 +382,7 @@ def graphed_lockstep(loss: BatchedLoss, s: LockstepState, x_all: torch.Tensor, y
                           objective.clip_norm)
         graph = cuda_graphs.capture(lambda: lockstep_step(loss, static, x, y, m, hp, fixed))
         return graph, static, x, y, m, fixed
-    if getattr(loss, "graphs", None) is None:
+    if loss.graphs is None:
         loss.graphs = cuda_graphs.GraphCache()
     entry = loss.graphs.get(key, make)
     if entry is None:
@@ -406,15 +407,6 @@ def graphed_lockstep(loss: BatchedLoss, s: LockstepState, x_all: torch.Tensor, y
     return True
 
 
-def replicas(model: FlatModel, n: int) -> list[FlatModel]:
-    """n FlatModels of the same module for side-by-side workers, made once per model and kept on it."""
-    kept = getattr(model, "worker_replicas", None) or []
-    while len(kept) < n:
-        kept.append(FlatModel(copy.deepcopy(model.module)))
-    model.worker_replicas = kept
-    return kept[:n]
-
-
 def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int) -> int:
     """How many clients run side by side (`runtime.workers`; 0: as many as PyTorch's CPU threads). A small CNN's
     step at batch 32 runs about as fast on one core as on two, so two clients on one core each beat one client on
@@ -423,14 +415,14 @@ def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int) -> int:
     return max(1, min(n, clients))
 
 
-def side_by_side(model: FlatModel, workers: int, count: int, fn: Callable[[FlatModel, int], None]) -> None:
-    """fn(model, i) for i in range(count), `workers` at a time (`in_threads`), each worker with a replica of `model`
-    of its own (`model` itself when one at a time). A client's result depends neither on which worker ran it nor
-    on the order: its batches come from its own generator and, on a CPU, its ops run on one thread even when it
-    runs alone (with more threads a convolution splits its reductions differently: a Flower ClientApp's lone
-    client would round otherwise than the same client beside others)."""
+def side_by_side(models: list[FlatModel], count: int, fn: Callable[[FlatModel, int], None]) -> None:
+    """fn(model, i) for i in range(count), one worker per model of `models` (replicas of one module: `in_threads`),
+    each worker on a model of its own. A client's result depends neither on which worker ran it nor on the order:
+    its batches come from its own generator and, on a CPU, its ops run on one thread even when it runs alone (with
+    more threads a convolution splits its reductions differently: a Flower ClientApp's lone client would round
+    otherwise than the same client beside others)."""
     free: queue.SimpleQueue = queue.SimpleQueue()
-    for own in [model] if workers == 1 else replicas(model, workers):
+    for own in models:
         free.put(own)
 
     def task(i: int) -> None:
@@ -439,7 +431,78 @@ def side_by_side(model: FlatModel, workers: int, count: int, fn: Callable[[FlatM
             on_one_thread(fn, mine, i) if mine.device.type == "cpu" else fn(mine, i)
         finally:
             free.put(mine)
-    in_threads(workers, [lambda i=i: task(i) for i in range(count)])
+    in_threads(len(models), [lambda i=i: task(i) for i in range(count)])
+
+
+class ClientRunner:
+    """How one run's clients train on this machine: the `runtime:` settings, and what the ways of running them keep
+    between rounds for the run's model (its side-by-side replicas, its batched loss with the CUDA graphs captured
+    for it, the measured choice between forked processes and threads). `describe` says the way chosen, once a run.
+    The algorithms never see it, and a client computes the same bits whichever way it runs
+    (tests/test_one_arithmetic.py)."""
+
+    def __init__(self, model: FlatModel, config: RuntimeConfig | None = None):
+        self.model, self.config = model, config or RuntimeConfig()
+        self.placement = processes.Placement()  # forked or threads for the training calls, by their measured time
+        self._replicas: list[FlatModel] = []
+        self._loss: BatchedLoss | None = None
+
+    @property
+    def loss(self) -> BatchedLoss:
+        if self._loss is None:
+            self._loss = BatchedLoss(self.model)
+        return self._loss
+
+    @property
+    def batched_form(self) -> bool:
+        """Whether the clients train through the model's batched form (`forward_many`), decided by the model and
+        the device alone, never by the cohort's size, so that a client computes the same alone (a Flower
+        ClientApp's cohort of one) as beside others: the dense models (MLR, DNN), whose one-client step is too
+        small to keep the cores busy, and on a GPU every model (one client's small kernels leave it idle:
+        benchmarks/bench_gpu.py). The CNNs on a CPU train client by client: their lockstep form (grouped
+        convolutions, models/many.py) measured no faster there (benchmarks/bench_cnn_clients.py)."""
+        module = self.model.module
+        if not hasattr(module, "forward_many"):
+            return False
+        return self.model.device.type == "cuda" or all(p.dim() <= 2 for p in module.parameters())
+
+    def workers(self, clients: int) -> int:
+        return worker_count(self.model, self.config, clients)
+
+    def replicas(self, n: int) -> list[FlatModel]:
+        """n models for side-by-side workers: the run's own, then copies of its module made once and kept."""
+        while len(self._replicas) < n - 1:
+            self._replicas.append(FlatModel(copy.deepcopy(self.model.module)))
+        return [self.model, *self._replicas[: n - 1]]
+
+    def side_by_side(self, count: int, fn: Callable[[FlatModel, int], None]) -> None:
+        """fn(model, i) for i in range(count), `workers(count)` of them at a time (`side_by_side`)."""
+        side_by_side(self.replicas(self.workers(count)), count, fn)
+
+    def may_fork(self, clients: int) -> bool:
+        """Whether training calls may run side-by-side clients in forked processes (`runtime.workers_in`): on a
+        Linux CPU, two or more at once; they do where that measures faster (`placement`). Each client runs on one
+        thread either way, so the results are the same."""
+        return (self.config.workers_in == "processes" and self.workers(clients) > 1
+                and self.model.device.type == "cpu" and processes.available())
+
+    def describe(self) -> str:
+        """The way this run's clients train, in one line."""
+        device, c = self.model.device, self.config
+        if self.batched_form:
+            if device.type == "cuda":
+                steps = "each step one CUDA graph replay" if c.cuda_graphs else "eager steps (runtime.cuda_graphs)"
+                return f"clients: on {device}, a round's clients in lockstep through the model's batched form, {steps}"
+            return ("clients: on the CPU through the model's batched form, each client on one thread, a round's "
+                    "clients in one lockstep where most of them are busy in most steps")
+        n = worker_count(self.model, c, 1 << 20)
+        how = ("one after another" if n == 1 else
+               f"{n} side by side, in forked processes or threads, whichever measures faster" if self.may_fork(n) else
+               f"{n} side by side in threads")
+        kernels = ""
+        if device.type == "cpu" and any(p.dim() == 4 for p in self.model.module.parameters()):
+            kernels = "; pfedkit's C kernels" if native.library() is not None else "; PyTorch's own ops"
+        return f"clients: on {device}, {how}, each on one thread{kernels}"
 
 
 # ---- a cohort: the clients one runtime trains at once ---------------------------------------------------------------
@@ -454,9 +517,10 @@ class Cohort:
     object (side by side in threads or processes). Each client keeps its own seeded batch stream."""
 
     def __init__(self, cids: list[int], rnd: int, data: FederatedData, model: FlatModel, hp: LocalConfig,
-                 gens: list[torch.Generator], lockstep: bool | None = None, runtime: RuntimeConfig | None = None):
+                 gens: list[torch.Generator], lockstep: bool | None = None,
+                 runtime: RuntimeConfig | ClientRunner | None = None):
         self.cids, self.round, self.data, self.model, self.hp, self.gens = cids, rnd, data, model, hp, gens
-        self.runtime = runtime or RuntimeConfig()  # how the clients run: never what they compute
+        self.runner = runtime if isinstance(runtime, ClientRunner) else ClientRunner(model, runtime)
         self.force = lockstep  # None: decide by the measured heuristics below; True/False: always/never (tests)
 
     def __len__(self) -> int:
@@ -488,24 +552,16 @@ class Cohort:
             val.append((client.x_train[is_val], client.y_train[is_val]))
             fit_rows.append(rows[~is_val])
         fit = Cohort(list(range(len(self.cids))), self.round, self.data.train_rows(self.cids, fit_rows), self.model,
-                     self.hp, self.gens, self.force, self.runtime)
+                     self.hp, self.gens, self.force, self.runner)
         return fit, val
 
     @property
     def batchable(self) -> bool:
-        """Whether the clients train through the model's batched form (`forward_many`), decided by the model and the
-        device alone, never by the cohort's size, so that a client computes the same alone (a Flower ClientApp's
-        cohort of one) as beside others: the dense models (MLR, DNN), whose one-client step is too small to keep the
-        cores busy, and on a GPU every model (one client's small kernels leave it idle: benchmarks/bench_gpu.py).
-        The CNNs on a CPU train client by client: their lockstep form (grouped convolutions, models/many.py)
-        measured no faster there (benchmarks/bench_cnn_clients.py); `lockstep=True` forces it (tests)."""
+        """Whether the clients train through the model's batched form (`ClientRunner.batched_form`: the model and
+        the device decide, never the cohort's size); `lockstep=True` forces it where the model has one (tests)."""
         if not hasattr(self.model.module, "forward_many"):
             return False
-        if self.force is not None:
-            return self.force
-        if self.data.device.type == "cuda":
-            return True
-        return all(p.dim() <= 2 for p in self.model.module.parameters())
+        return self.force if self.force is not None else self.runner.batched_form
 
     def lockstep_pays(self, hp: LocalConfig | list[LocalConfig] | None = None) -> bool:
         """Whether a batchable cohort trains all its clients in one lockstep (else each alone in the batched form:
@@ -527,9 +583,7 @@ class Cohort:
 
     @property
     def loss(self) -> BatchedLoss:
-        if getattr(self.model, "batched_loss", None) is None:  # one per model
-            self.model.batched_loss = BatchedLoss(self.model)
-        return self.model.batched_loss
+        return self.runner.loss
 
     def plan(self, hp: LocalConfig | list[LocalConfig] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.data
@@ -547,11 +601,11 @@ class Cohort:
             def lockstep(rows: list[int]) -> None:
                 vectors, loss = self.batched(lambda: batched_sgd(
                     self.loss, starts[rows], d.x_train, d.y_train, *self.part(rows).plan(hp), hp, objective.part(rows),
-                    self.runtime.cuda_graphs))
+                    self.runner.config.cuda_graphs))
                 trained[rows], losses[rows] = vectors, loss.double()
             in_threads(self.workers(), [lambda rows=rows: lockstep(rows) for rows in self.lockstep_parts(hp)])
             return trained, losses
-        placement = self.placement() if self.may_fork() else None
+        placement = self.runner.placement if self.runner.may_fork(len(self.cids)) else None
         forked = placement is not None and placement.fork()
         began = time.perf_counter()
         count = len(starts)
@@ -569,7 +623,7 @@ class Cohort:
             if gen_states is not None:
                 gen_states[i] = self.gens[i].get_state()
         if forked:
-            models = replicas(self.model, self.workers())
+            models = self.runner.replicas(self.workers())
             processes.in_processes(len(models), count, lambda worker, i: one(models[worker], i))
             for gen, state in zip(self.gens, gen_states):
                 gen.set_state(state.clone())
@@ -582,7 +636,7 @@ class Cohort:
     def part(self, rows: list[int]) -> "Cohort":
         """The clients at positions `rows` as a cohort of their own (their generators shared: their streams go on)."""
         return Cohort([self.cids[i] for i in rows], self.round, self.data, self.model, self.hp,
-                      [self.gens[i] for i in rows], self.force, self.runtime)
+                      [self.gens[i] for i in rows], self.force, self.runner)
 
     def lockstep_parts(self, hp: LocalConfig | list[LocalConfig] | None = None) -> list[list[int]]:
         """How a batchable cohort's clients split into locksteps, which decides only the time (a client computes the
@@ -606,24 +660,11 @@ class Cohort:
         return on_one_thread(fn) if self.data.device.type == "cpu" else fn()
 
     def workers(self) -> int:
-        return worker_count(self.model, self.runtime, len(self.cids))
-
-    def may_fork(self) -> bool:
-        """Whether `train` may run its side-by-side clients in forked processes (`runtime.workers_in`): on a Linux
-        CPU, two or more at once; it does where that measures faster (`placement`). Each client runs on one thread
-        either way, so the results are the same."""
-        return (self.runtime.workers_in == "processes" and self.workers() > 1 and self.model.device.type == "cpu"
-                and processes.available())
-
-    def placement(self) -> processes.Placement:
-        """Forked or threads for this model's training calls, by their measured time (one per model: a run's)."""
-        if getattr(self.model, "fork_placement", None) is None:
-            self.model.fork_placement = processes.Placement()
-        return self.model.fork_placement
+        return self.runner.workers(len(self.cids))
 
     def each_client(self, fn: Callable[[FlatModel, int], None]) -> None:
         """fn(model, i) for every client i of the cohort, `workers()` of them side by side."""
-        side_by_side(self.model, self.workers(), len(self.cids), fn)
+        self.runner.side_by_side(len(self.cids), fn)
 
     def stream(self, hp: LocalConfig | list[LocalConfig], buffers: torch.Tensor | None = None) -> "GradientStream":
         """The clients' batch streams for a solver of its own (pFedMe, Per-FedAvg): gradients at given parameters,

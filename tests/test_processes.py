@@ -48,7 +48,7 @@ def test_processes_train_exactly_as_threads_and_hand_back_the_generators(model_n
     runs = {}
     for kind in ("threads", "processes"):
         c = cohort(cfg, data, model, kind)
-        assert c.may_fork() == (kind == "processes")
+        assert c.runner.may_fork(len(c)) == (kind == "processes")
         first = c.train(starts)
         second = c.train(first[0])  # continues each client's batch stream (FedRep's two phases do)
         runs[kind] = (first, second, [int(torch.randint(1 << 30, (1,), generator=g)) for g in c.gens])
@@ -135,8 +135,8 @@ def test_a_training_error_in_a_child_reaches_the_caller():
 
 def test_one_worker_and_the_threads_setting_stay_in_this_process():
     cfg, data, model = setup("cnn", clients=3)
-    assert not cohort(cfg, data, model, "processes", workers=1).may_fork()
-    assert not cohort(cfg, data, model, "threads", workers=2).may_fork()
+    assert not cohort(cfg, data, model, "processes", workers=1).runner.may_fork(3)
+    assert not cohort(cfg, data, model, "threads", workers=2).runner.may_fork(3)
     with pytest.raises(Exception, match="workers_in"):
         load_config(None, ["runtime.workers_in=forks"], "fedavg")
 

@@ -143,3 +143,26 @@ def test_runs_with_workers_equal_one_at_a_time_end_to_end(tmp_path, one_thread, 
         rows[workers] = [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
                          for line in (tmp_path / str(workers) / "metrics.jsonl").read_text().splitlines()]
     assert rows[1] == rows[2]
+
+
+@pytest.mark.parametrize("model, extra, way", [
+    ("dnn", [], "through the model's batched form, each client on one thread"),
+    ("cnn", ["runtime.workers=1"], "one after another, each on one thread"),
+    ("cnn", ["runtime.workers=2", "runtime.workers_in=threads"], "2 side by side in threads, each on one thread"),
+])
+def test_the_way_clients_train_is_said_once_an_experiment_and_its_caches_live_on_the_runs_runner(tmp_path, model,
+                                                                                                extra, way):
+    from pfedkit.experiment import run_experiment
+    lines = []
+    cfg = load_config(None, ["dataset.name=mnist5k", "partition.num_clients=4", "partition.samples_per_client=40",
+                             f"model.name={model}", "model.hidden=16", "rounds=2", "local.batch_size=16",
+                             "progress=false", "plots=false", *extra], "local,fedavg")
+    run_experiment(cfg, tmp_path / "x", log=lines.append)
+    said = [line for line in lines if line.startswith("clients:")]
+    assert len(said) == 1 and way in said[0], said
+    one = cfg.for_algorithm("fedavg")
+    run = Run(one, prepare(one), tmp_path / "y")
+    run.run()
+    runner = run.clients.runner  # what the ways of running keep between rounds: on the run, not on the model
+    assert (runner._loss is not None) == (model == "dnn")
+    assert not any(hasattr(run.model, name) for name in ("batched_loss", "fork_placement", "worker_replicas"))

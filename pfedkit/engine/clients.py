@@ -14,14 +14,14 @@ from ..algorithms import Algorithm
 from ..config import LocalConfig, RuntimeConfig
 from ..data import ClientData, FederatedData
 from ..models import FlatModel
-from ..train import Cohort, predict, seeded_generator, side_by_side, worker_count
+from ..train import ClientRunner, Cohort, predict, seeded_generator
 
 EVAL_STREAM = 0xE7A1  # key of the generators an evaluation-time adaptation draws its batches from
 
 
 def fit_clients(algo: Algorithm, data: FederatedData, model: FlatModel, hp: LocalConfig, seed: int, rnd: int,
                 cids: list[int], payloads: list[dict], cstates: list[dict], positions: list[int] | None = None,
-                runtime: RuntimeConfig | None = None) -> tuple[list[dict], list[dict]]:
+                runtime: RuntimeConfig | ClientRunner | None = None) -> tuple[list[dict], list[dict]]:
     """One round of local work for clients `cids` (their ids key their batch streams), found in `data` at
     `positions` (default: at their ids; a Flower ClientApp holds its own client only)."""
     cohort = Cohort(positions or cids, rnd, data, model, hp, [seeded_generator(seed, rnd, c) for c in cids],
@@ -31,7 +31,7 @@ def fit_clients(algo: Algorithm, data: FederatedData, model: FlatModel, hp: Loca
 
 def eval_vectors(algo: Algorithm, train_only: FederatedData, model: FlatModel, hp: LocalConfig, seed: int, rnd: int,
                  cids: list[int], payloads: list[dict], cstates: list[dict], positions: list[int] | None = None,
-                 runtime: RuntimeConfig | None = None) -> list[torch.Tensor]:
+                 runtime: RuntimeConfig | ClientRunner | None = None) -> list[torch.Tensor]:
     """The vectors the clients are scored with, built from what they may read: their train splits only (the test
     splits are not even in reach), each with a generator of its own for this evaluation."""
     cohort = Cohort(positions or cids, rnd, train_only, model, hp,
@@ -53,7 +53,7 @@ class InProcessClients:
     def __init__(self, algo: Algorithm, data: FederatedData, model: FlatModel, hp: LocalConfig, seed: int,
                  runtime: RuntimeConfig | None = None):
         self.algo, self.data, self.model, self.hp, self.seed = algo, data, model, hp, seed
-        self.runtime = runtime or RuntimeConfig()
+        self.runner = ClientRunner(model, runtime)  # how the clients train: kept for the whole run
         self.train_only = data.train_only()  # what evaluation-time adaptation may read
         self._global: tuple[Any, Any, dict] | None = None  # (round, vector, scores) of the last pass
 
@@ -67,7 +67,7 @@ class InProcessClients:
         cids = list(payloads)
         updates, states = fit_clients(self.algo, self.data, self.model, self.hp, self.seed, rnd, cids,
                                       [payloads[c] for c in cids], [self.cstates[c] for c in cids],
-                                      runtime=self.runtime)
+                                      runtime=self.runner)
         for cid, state in zip(cids, states):
             self.cstates[cid] = state
         return dict(zip(cids, updates))
@@ -76,7 +76,7 @@ class InProcessClients:
                  train_loss: bool) -> dict[int, dict]:
         cids = list(payloads)
         vectors = eval_vectors(self.algo, self.train_only, self.model, self.hp, self.seed, rnd, cids,
-                               [payloads[c] for c in cids], [self.cstates[c] for c in cids], runtime=self.runtime)
+                               [payloads[c] for c in cids], [self.cstates[c] for c in cids], runtime=self.runner)
         glob = self._global_scores(rnd, global_model, train_loss)
         own = [j for j, vec in enumerate(vectors) if glob is None or vec is not global_model]
         scores: dict[int, tuple[int, float]] = {}
@@ -84,7 +84,7 @@ class InProcessClients:
         def score_one(model: FlatModel, k: int) -> None:
             j = own[k]
             scores[j] = score(model, vectors[j], self.data.client(cids[j]), train_loss)
-        side_by_side(self.model, worker_count(self.model, self.runtime, len(own)), len(own), score_one)
+        self.runner.side_by_side(len(own), score_one)
         out = {}
         for j, cid in enumerate(cids):
             if j in scores:

@@ -19,6 +19,7 @@ from ..config import Config, from_dict, load_config
 from ..data import FederatedData, build_federated
 from ..models import FlatModel, build_model
 from ..engine.clients import eval_vectors, fit_clients, score
+from ..train import ClientRunner
 from .records import ARRAYS, METRICS, config_of, from_arrays, message_content
 
 STATE_PREFIX = "pfedkit:"  # context.state keys: one ArrayRecord of client state per algorithm run
@@ -55,7 +56,8 @@ class ClientRuntime:
             one = self.cfg.for_algorithm(spec)
             model = FlatModel(build_model(one.model, self.data.input_shape, self.data.num_classes, one.seed)
                               .to(self.data.device))
-            self.runs[spec] = (one, model, build_algorithm(one, model, self.num_clients), model.state())
+            self.runs[spec] = (one, model, build_algorithm(one, model, self.num_clients), model.state(),
+                               ClientRunner(model, one.runtime))
         return self.runs[spec]
 
 
@@ -199,11 +201,11 @@ def make_client_app(config_source: str | None = None, one_partition: bool = Fals
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         rt, pid, rnd, spec, states, info = setup(msg, context)
-        one, model, algo, init = rt.run(spec, context.run_id)
+        one, model, algo, init, runner = rt.run(spec, context.run_id)
         payload = from_arrays(msg.content[ARRAYS], rt.data.device)
         cstate = states.load(rnd, algo, init)
         (update,), (state,) = fit_clients(algo, rt.data, model, one.local, one.seed, rnd, [pid], [payload], [cstate],
-                                          positions=[0], runtime=one.runtime)
+                                          positions=[0], runtime=runner)
         states.save(rnd, state, int(info.get("checkpointed", 0)))
         tensors = {k: v for k, v in update.items() if isinstance(v, torch.Tensor)}
         numbers = {k: v for k, v in update.items() if not isinstance(v, torch.Tensor)}
@@ -215,14 +217,14 @@ def make_client_app(config_source: str | None = None, one_partition: bool = Fals
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         rt, pid, rnd, spec, states, info = setup(msg, context)
-        one, model, algo, init = rt.run(spec, context.run_id)
+        one, model, algo, init, runner = rt.run(spec, context.run_id)
         payload = from_arrays(msg.content[ARRAYS], rt.data.device)
         glob = payload.pop(GLOBAL_KEY, None)
         if info.get("global_key"):  # the payload's own tensor is the global model (sent once)
             glob = payload[str(info["global_key"])]
         train_loss = bool(info.get("train_loss", False))
         (vector,) = eval_vectors(algo, rt.train_only, model, one.local, one.seed, rnd, [pid], [payload],
-                                 [states.load(rnd + 1, algo, init)], positions=[0], runtime=one.runtime)
+                                 [states.load(rnd + 1, algo, init)], positions=[0], runtime=runner)
         client = rt.data.client(0)
         correct, loss = score(model, vector, client, train_loss)
         numbers = {"correct": correct, "train_loss_sum": loss}
