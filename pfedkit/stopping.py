@@ -78,6 +78,26 @@ def finish(cleanup: Callable[[], T]) -> T:
 
 
 @contextlib.contextmanager
+def held() -> Iterator[None]:
+    """SIGINT and SIGTERM held for the block, then delivered to the handlers there were, as if they came right after
+    it: for a file being written, which an interrupt half-way through would leave broken (PyTorch's zip writer, cut
+    by Ctrl-C, raised its own error instead of the interrupt, or aborted the process at exit). Outside the main
+    thread (which takes no signals) nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: seen.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if seen:
+            signal.raise_signal(seen[0])  # its handler runs now: Ctrl-C's KeyboardInterrupt, a Stopped, ...
+
+
+@contextlib.contextmanager
 def stop_on(*signals: int) -> Iterator[None]:
     """Each of `signals` raises Stopped in the main thread for the block (as Ctrl-C raises KeyboardInterrupt), the
     previous handlers back after it; outside the main thread, nothing is installed."""

@@ -234,19 +234,33 @@ def in_threads(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
     try:
         for _ in range(workers - 1):
             helper = threading.Thread(target=work, daemon=True)
+            started.append(helper)  # before start: a Ctrl-C inside start() leaves a running thread to join
             try:
                 helper.start()
             except RuntimeError:  # "can't start new thread"
+                started.pop()
                 break
-            started.append(helper)
         work()
-        for helper in started:
-            helper.join()
+    except BaseException as exc:  # noqa: BLE001 - e.g. Ctrl-C between tasks: the helpers stop after their own
+        errors.append(exc)
     finally:
+        for helper in started:
+            _join(helper, errors)
         torch.set_num_threads(threads)
     if errors:
         raise errors[0]
     return results
+
+
+def _join(thread: threading.Thread, errors: list[BaseException]) -> None:
+    """Wait for a worker thread even through Ctrl-C (kept in `errors`, which stops the workers after their current
+    task): a thread still inside a PyTorch op while the interpreter exits aborts the process ("terminate called
+    without an active exception", exit -6 instead of Ctrl-C's 130)."""
+    while thread.is_alive():
+        try:
+            thread.join()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by in_threads once every worker has stopped
+            errors.append(exc)
 
 
 # ---- many clients in lockstep (batched matrix products) ------------------------------------------------------------

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import PfedkitError
+from ..stopping import held
 
 
 def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
@@ -20,14 +21,15 @@ def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
     process's memory)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as fh:
-            if callable(data):
-                data(fh)
-            else:
-                fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with held():  # a Ctrl-C meanwhile stops the run right after the file is in place
+            with open(tmp, "wb") as fh:
+                if callable(data):
+                    data(fh)
+                else:
+                    fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
     except OSError as exc:
         kept = f"; the previous {path.name} is intact" if path.exists() else ""
         raise PfedkitError(f"could not write {path}: {exc.strerror or exc} (disk full or not writable?){kept}") from None
