@@ -264,6 +264,24 @@ def test_dominant_fraction_holds_on_real_digits(digits_y):
         assert (counts[i] > 0).all()
 
 
+def test_dominant_classes_that_run_short_are_said_with_the_share_reached(digits_y):
+    """Two clients that each want 80 % of their ~900 digits from 2 dominant classes of ~180 samples: the classes run
+    short, and the partition says how far the share fell (computed here from the clients' own indices); where it
+    is reached, nothing is said."""
+    cfg = PartitionConfig(scheme="dominant", num_clients=2, dominant_classes=2, dominant_fraction=0.8)
+    part = make_partition(digits_y, 10, cfg, 0)
+    counts = class_counts(part, digits_y, 10, "all")
+    shares = [counts[i, part.label_sets[i]].sum() / counts[i].sum() for i in range(2)]
+    assert max(shares) < 0.75
+    said = [w for w in part.warnings if w.startswith("partition 'dominant'")]
+    assert said == [f"partition 'dominant': the 2 dominant classes hold {100 * np.mean(shares):.1f} % of a client's "
+                    f"samples on average (min {100 * min(shares):.1f} %), not the 80 % of "
+                    "partition.dominant_fraction: those classes run short; lower partition.samples_per_client or "
+                    "partition.num_clients to reach it"]
+    reached = make_partition(digits_y, 10, dataclasses.replace(cfg, num_clients=10, dominant_fraction=0.6), 0)
+    assert not any(w.startswith("partition 'dominant'") for w in reached.warnings)
+
+
 # ---- dirichlet -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("alpha", [0.05, 0.5, 100.0])
