@@ -277,8 +277,9 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
     lines += ["| dataset | method | accuracy %: ours | paper | MB down: ours | MB up+down: ours | MB: paper |",
               "|---|---|---|---|---|---|---|"]
     for c, res in results.items():
+        ks = {name: 0 if name == "pfedla" else int(name.split("k=")[1]) if "k=" in name else 1 for name in res}
         for name, runs in res.items():
-            k = 0 if name == "pfedla" else int(name.split("k=")[1]) if "k=" in name else 1
+            k = ks[name]
             paper = papers.TABLE3.get((c.key[0], k))
             done = [r for r in runs if isinstance(r, dict)]
             down = f"{np.mean([r['mb_down_total'] for r in done]):.2f}" if done else "–"
@@ -286,7 +287,6 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
             acc = fmt(runs, "personalized_acc")
             lines.append(f"| {c.label.split()[0]} | {name} (k={k}) | {acc} "
                          f"| {paper[0] if paper else '–'} | {down} | {both} | {paper[1] if paper else '–'} |")
-        ks = {name: 0 if name == "pfedla" else int(name.split("k=")[1]) if "k=" in name else 1 for name in res}
         tau = kendall_tau({n: _mean_of(runs, "personalized_acc") for n, runs in res.items()},
                           {n: _paper_value((papers.TABLE3.get((c.key[0], k)) or [None])[0]) for n, k in ks.items()})
         lines.append(f"| {c.label.split()[0]} | *majority label (reference)* | "
@@ -328,15 +328,19 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
     return "\n".join(lines) + "\n"
 
 
+def _diffs(reference: list, runs: list, key: str) -> list[float]:
+    """Per seed, the reference run's value minus the method's, in points (seeds where both finished)."""
+    return [100 * (metric(a, key) - metric(b, key)) for a, b in zip(reference, runs)
+            if metric(a, key) is not None and metric(b, key) is not None]
+
+
 def _mean_gain(reference: list, runs: list, key: str) -> float | None:
-    diffs = [metric(a, key) - metric(b, key) for a, b in zip(reference, runs)
-             if metric(a, key) is not None and metric(b, key) is not None]
+    diffs = _diffs(reference, runs, key)
     return float(np.mean(diffs)) if diffs else None
 
 
 def _gain(reference: list, runs: list, key: str) -> str:
-    diffs = [100 * (metric(a, key) - metric(b, key)) for a, b in zip(reference, runs)
-             if metric(a, key) is not None and metric(b, key) is not None]
+    diffs = _diffs(reference, runs, key)
     if not diffs:
         return "–"
     return f"{np.mean(diffs):+.2f} ± {np.std(diffs, ddof=1):.2f}" if len(diffs) > 1 else f"{diffs[0]:+.2f}"
