@@ -6,21 +6,20 @@ clients on the same seeded batches from the same start;
 runs alternate and the best of `--repeats` is kept. Prints client-steps/s and the ratio to the bare loop.
 
     python benchmarks/bench_cnn_clients.py [--epochs 2] [--repeats 3] [--models cnn,cnn_bn,lenet5] [--compile] [--smoke]
+        [--candidates engine,engine-1by1]
 
 Candidates:
   bare            nn.Module + torch.optim.SGD, one client after another, PyTorch's threads (the reference; the model's
                   forward in plain PyTorch: bench_local_training.PlainCNN)
   bare-1thread    the same on one intra-op thread
   engine          pfedkit's Cohort as it runs by default: clients side by side, one per core, in forked processes
-                  (runtime.workers=0, runtime.workers_in=processes: pfedkit/processes.py), the models' C kernels in use
-                  (models/native.py: ReLU + pooling, BatchNorm fused with them, the first convolution)
+                  (runtime.workers=0, runtime.workers_in=processes: runtime/processes.py), the runtime's C kernels
+                  (runtime/native.py: ReLU + pooling, BatchNorm fused with them, the first convolution)
   engine-threads  the same with the clients in threads of this process (runtime.workers_in=threads: one GIL)
   engine-autograd the engine with every step through autograd (a BN model with small convolutions, LeNet-5, takes
-                  its whole step as one C call by default: nets.CNN.training_step)
+                  its whole step as one C call by default: runtime/cnn.training_step)
   engine-pytorch  the same on PyTorch's own kernels only (what the engine did before the C kernels)
-  engine-1by1     the Cohort one client after another (runtime.workers=1, a Flower ClientApp's way); both rows hold a
-                  BN-free model's conv weights channels_last (models/layers.py), a BN model's in the standard
-                  layout (channels_last BatchNorm sums its gradients less exactly)
+  engine-1by1     the Cohort one client after another (runtime.workers=1, a Flower ClientApp's way)
   engine-lockstep the Cohort's lockstep path (Cohort(lockstep=True)): all clients at once as grouped convolutions
                   on channels_last activations and batched linear layers, each client's BatchNorm its own over its
                   real samples (models/many.py)
@@ -47,7 +46,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-import pfedkit.models.nets as nets
+from pfedkit.runtime import cnn as runtime_cnn, native
 from bench_local_training import PlainCNN, plain as plain_model  # the CNN with a plain PyTorch forward (this folder)
 from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.experiment import prepare
@@ -109,7 +108,7 @@ class HandPool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        a, b, c, d = nets.quarters(x)
+        a, b, c, d = runtime_cnn.quarters(x)
         top, bottom = torch.maximum(a, b), torch.maximum(c, d)
         lower, width = bottom > top, x.shape[-1]
         rows = torch.arange(x.shape[-2] // 2, device=x.device)[:, None] * 2 * width
@@ -164,27 +163,27 @@ class HandBN(torch.nn.Module):
 
 @contextlib.contextmanager
 def autograd_steps():
-    """No whole-step C call (nets.CNN.training_step returns None): the autograd step, with its C kernels."""
-    kept = nets.STEP_MAX_CHANNELS
-    nets.STEP_MAX_CHANNELS = 0
+    """No whole-step C call (runtime/cnn.training_step returns None): the autograd step, with its C kernels."""
+    kept = runtime_cnn.STEP_MAX_CHANNELS
+    runtime_cnn.STEP_MAX_CHANNELS = 0
     try:
         yield
     finally:
-        nets.STEP_MAX_CHANNELS = kept
+        runtime_cnn.STEP_MAX_CHANNELS = kept
 
 
 @contextlib.contextmanager
 def without_kernels():
-    """pfedkit's models on PyTorch's own kernels (none of models/native.py's) while the candidate runs."""
-    names = ("covers", "covers_batch_norm", "covers_first_conv", "covers_cnn_step")
-    kept = [getattr(nets.native, name) for name in names]
+    """pfedkit's runtime on PyTorch's own ops (none of runtime/native.py's kernels) while the candidate runs."""
+    names = ("covers", "covers_batch_norm", "covers_first_conv", "covers_first_conv_pool", "covers_cnn_step")
+    kept = [getattr(native, name) for name in names]
     for name in names:
-        setattr(nets.native, name, lambda *args: False)
+        setattr(native, name, lambda *args: False)
     try:
         yield
     finally:
         for name, fn in zip(names, kept):
-            setattr(nets.native, name, fn)
+            setattr(native, name, fn)
 
 
 def with_hand_bn(net):
@@ -243,6 +242,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="cnn,cnn_bn,lenet5")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--candidates", default="", help="comma-separated names to run (default: all; bare always)")
     ap.add_argument("--smoke", action="store_true", help="3 clients, 1 repeat (CI: runs, times nothing)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message="TF32 acceleration")  # printed by the oneDNN switch
@@ -280,6 +280,9 @@ def main() -> None:
         if args.compile:
             bare(net, work[:1], lr, compiled=True)  # compile once (cached for the timed runs)
             candidates["compiled"] = (None, lambda: bare(net, work, lr, compiled=True))
+        if args.candidates:
+            keep = {"bare", *args.candidates.split(",")}
+            candidates = {k: v for k, v in candidates.items() if k in keep}
         best = {k: float("inf") for k in candidates}
         for _ in range(1 if args.smoke else args.repeats):
             for key, (switch, fn) in candidates.items():

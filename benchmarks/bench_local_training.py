@@ -50,8 +50,8 @@ SETTINGS = {
 
 
 class PlainCNN(torch.nn.Module):
-    """pfedkit's CNN (the same modules and state dict) with a plain PyTorch forward: F.max_pool2d(torch.relu(.))
-    where pfedkit's model calls its fused C kernel (models/native.py), so that the bare loops are bare PyTorch."""
+    """pfedkit's CNN (the same modules and state dict) with its plain PyTorch forward, the pooling replaceable (the
+    engine runs it through the C kernels instead: runtime/cnn.py)."""
 
     def __init__(self, cnn: CNN, pool=None):
         super().__init__()

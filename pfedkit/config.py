@@ -109,7 +109,7 @@ class RuntimeConfig:
     # PyTorch's CPU threads on a CPU, else 1), 1 = one client after another
     workers: int = at_least(0, 0, high=1024)  # as `threads`: a process or thread per worker
     # where the side-by-side clients of plain local training run (Cohort.train, every algorithm but pFedMe's and
-    # Per-FedAvg's solvers): forked processes on Linux CPUs (no shared GIL: pfedkit/processes.py), or threads
+    # Per-FedAvg's solvers): forked processes on Linux CPUs (no shared GIL: pfedkit/runtime/processes.py), or threads
     workers_in: str = choices("processes", "threads", default="processes")
     # lockstep training on a GPU: each step one replay of a captured CUDA graph (cuda_graphs.py; same kernels,
     # launched at once) rather than dozens of small kernel launches from Python

@@ -1,24 +1,15 @@
 """The flat vector's layout written out independently of pfedkit, for the tests' plain-PyTorch reference loops:
-parameters in the module's order, then its float buffers; in a model without BatchNorm a convolution's weight
-(out, in, h, w) stored in (out, h, w, in) order (pfedkit/models/layers.py says why)."""
+parameters in the module's order, each row-major in its own shape, then its float buffers
+(pfedkit/models/layers.py)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 
-def permuted(net: nn.Module) -> bool:
-    return not any(isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) for m in net.modules())
-
-
-def entries(t: torch.Tensor, permute: bool) -> torch.Tensor:
-    """One tensor's entries in the vector's order."""
-    return t.detach().permute(0, 2, 3, 1).flatten() if t.dim() == 4 and permute else t.detach().flatten()
-
-
 def flat_params(net: nn.Module, grads: bool = False) -> torch.Tensor:
     """The module's parameters (or their gradients) as the flat parameter vector."""
-    return torch.cat([entries(p.grad if grads else p, permuted(net)) for p in net.parameters()])
+    return torch.cat([(p.grad if grads else p).detach().flatten() for p in net.parameters()])
 
 
 def flat_state(net: nn.Module) -> torch.Tensor:
@@ -26,11 +17,8 @@ def flat_state(net: nn.Module) -> torch.Tensor:
     return torch.cat([flat_params(net)] + [b.flatten() for n, b in net.named_buffers() if "num_batches" not in n])
 
 
-def tensor_of(part: torch.Tensor, shape: torch.Size, permute: bool = True) -> torch.Tensor:
-    """The inverse of entries: a vector segment as the tensor of `shape`."""
-    if len(shape) == 4 and permute:
-        o, i, h, w = shape
-        return part.reshape(o, h, w, i).permute(0, 3, 1, 2)
+def tensor_of(part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A vector segment as the tensor of `shape`."""
     return part.reshape(shape)
 
 
@@ -39,7 +27,7 @@ def load_params(vector: torch.Tensor, net: nn.Module) -> None:
     at = 0
     with torch.no_grad():
         for p in net.parameters():
-            p.copy_(tensor_of(vector[at: at + p.numel()], p.shape, permuted(net)))
+            p.copy_(tensor_of(vector[at: at + p.numel()], p.shape))
             at += p.numel()
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pfedkit.config import load_config
-from pfedkit.cuda_graphs import GraphCache
+from pfedkit.runtime.cuda_graphs import GraphCache
 from pfedkit.experiment import prepare, run_experiment
 from pfedkit.models import FlatModel
 from pfedkit.registry import ALGORITHMS

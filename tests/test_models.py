@@ -102,21 +102,21 @@ def test_batched_loss_refuses_models_it_cannot_batch():
         BatchedLoss(FlatModel(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))))  # no forward_many
 
 
-def test_a_bn_free_cnn_holds_its_conv_weights_channels_last_and_trains_as_the_plain_module():
-    """Without BatchNorm a conv weight (out, in, h, w) sits in the vector as (out, h, w, in) and the module sees a
-    channels_last view of it; state_dict gives the standard shapes; SGD steps equal a plain module's (float
-    tolerance: oneDNN's channels_last convolutions sum in another order). With BatchNorm the layout is standard."""
-    net = build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)
-    ref = build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)
+@pytest.mark.parametrize("name", ["cnn", "cnn_bn", "mlr"])
+def test_every_model_lies_in_the_vector_row_major_and_trains_as_the_plain_module(name):
+    """One layout for every model: each tensor row-major in its own shape, in the module's order (a conv weight
+    entry [o, i, h, x] at ((o * in + i) * 5 + h) * 5 + x past its start), named views in the standard shapes; and
+    SGD steps of the FlatModel's module equal a plain module's bit for bit (the same ops on the same layout)."""
+    net = build_model(ModelConfig(name), (1, 28, 28), 10, 0)
+    ref = build_model(ModelConfig(name), (1, 28, 28), 10, 0)
     fm = FlatModel(net)
-    assert fm.layout == "conv-ohwi" and net.conv2.weight.is_contiguous(memory_format=torch.channels_last)
-    w = ref.conv2.weight.detach()  # (32, 16, 5, 5)
-    start = fm.names[2][1].start
-    assert fm.names[2][0] == "conv2.weight"
-    o, i, h, x = 3, 7, 1, 4  # entry [o, i, h, x] at offset ((o * 5 + h) * 5 + x) * 16 + i
-    assert fm.vector[start + ((o * 5 + h) * 5 + x) * 16 + i] == w[o, i, h, x]
-    for name, t in fm.state_dict(fm.vector).items():
-        torch.testing.assert_close(t, ref.state_dict()[name], rtol=0, atol=0)
+    assert fm.layout == "standard" and all(p.is_contiguous() for p in net.parameters())
+    if name != "mlr":
+        (start, w), = [(s.start, ref.state_dict()[n]) for n, s, _ in fm.names if n == "conv2.weight"]
+        o, i, h, x = 3, 7, 1, 4
+        assert fm.vector[start + ((o * 16 + i) * 5 + h) * 5 + x] == w[o, i, h, x]
+    for n, t in fm.state_dict(fm.vector).items():
+        torch.testing.assert_close(t, ref.state_dict()[n], rtol=0, atol=0)
     gen = torch.Generator().manual_seed(0)
     xs, ys = torch.rand(64, 1, 28, 28, generator=gen), torch.randint(0, 10, (64,), generator=gen)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -127,9 +127,7 @@ def test_a_bn_free_cnn_holds_its_conv_weights_channels_last_and_trains_as_the_pl
         opt.zero_grad()
         F.cross_entropy(ref(xs[b: b + 16]), ys[b: b + 16]).backward()
         opt.step()
-    torch.testing.assert_close(fm.vector, flat_state(ref), rtol=0, atol=1e-6)
-    assert FlatModel(build_model(ModelConfig("cnn_bn"), (1, 28, 28), 10, 0)).layout == "standard"
-    assert FlatModel(build_model(ModelConfig("mlr"), (1, 28, 28), 10, 0)).layout == "standard"
+    torch.testing.assert_close(fm.vector, flat_state(ref), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 24, 24), (2, 5, 9, 7), (1, 2, 3, 4)])
@@ -137,7 +135,7 @@ def test_a_bn_free_cnn_holds_its_conv_weights_channels_last_and_trains_as_the_pl
 def test_evaluation_max_pool_is_the_windows_maximum(shape, channels_last):
     """The no-grad pooling of the CNNs against a plain loop over every 2x2 window (the odd last row/column left
     out): exact values, ties (ReLU zeros), a NaN propagated; in both memory layouts; and F.max_pool2d with autograd."""
-    from pfedkit.models.nets import max_pool2x2
+    from pfedkit.runtime.cnn import max_pool2x2
     gen = torch.Generator().manual_seed(0)
     x = torch.relu(torch.randn(shape, generator=gen)).round(decimals=1)  # many ties: zeros and repeated values
     x[0, 0, 0, 0] = float("nan")

@@ -1,6 +1,7 @@
-"""The fused C kernels (models/native.py, relu_pool.c) against PyTorch's own ops: F.max_pool2d(torch.relu(x), 2)
+"""The C kernels (runtime/native.py, kernels.c) against PyTorch's own ops: F.max_pool2d(torch.relu(x), 2)
 and its gradient, bit for bit (ties, zeros, NaN, widths that leave a partial vector block), a CNN trained through
-them against the same CNN with PyTorch's pooling, and the fallback when they cannot be built."""
+them (runtime/cnn.py's forward) against the same plain CNN, the ops' torch.library registrations (opcheck), and the
+fallback when the install has none."""
 from __future__ import annotations
 
 import copy
@@ -13,13 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from pfedkit.config import ModelConfig
-from pfedkit.models import FlatModel, build_model, native
-from pfedkit.models.nets import relu_pool
+from pfedkit.models import FlatModel, build_model
+from pfedkit.runtime import cnn, native
+from pfedkit.runtime.cnn import relu_pool
 
 
 def test_the_kernels_build_on_this_machine():
-    """CI's machine has a C compiler: without this, every test below would pass on the PyTorch fallback alone."""
+    """CI's machine has a C compiler, so the install built them: without this, every test below would pass on the
+    PyTorch fallback alone. The build loaded is the best this CPU runs, by PyTorch's own capability check."""
     assert native.library() is not None, native.why_not
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    assert native.variant == (capability if capability in native.CAPABILITIES else "default")
 
 
 def plain_relu_pool(x: torch.Tensor) -> torch.Tensor:
@@ -327,6 +332,17 @@ def test_the_other_entry_points_on_inputs_their_kernels_do_not_cover_equal_pytor
         native.first_conv(images[..., :12].double(), conv)
 
 
+class Fast(torch.nn.Module):
+    """The CNN as the runtime runs it (runtime/cnn.py: the kernels where they cover it)."""
+
+    def __init__(self, cnn):
+        super().__init__()
+        self.cnn = cnn
+
+    def forward(self, x):
+        return cnn.cnn_forward(self.cnn, x)
+
+
 class Plain(torch.nn.Module):
     """The same CNN's forward with PyTorch's pooling (the reference)."""
 
@@ -346,7 +362,7 @@ def test_a_cnn_trains_through_the_kernels_as_with_pytorch_pooling(name):
     the reference's: parameters and running statistics equal (the pooled values and gradients are exact, so only
     the order of float64 sums elsewhere could differ)."""
     net = build_model(ModelConfig(name), (1, 28, 28), 10, 0).double()
-    assert_ten_sgd_steps_equal(net, Plain(copy.deepcopy(net)))
+    assert_ten_sgd_steps_equal(Fast(net), Plain(copy.deepcopy(net)))
 
 
 def assert_ten_sgd_steps_equal(net: torch.nn.Module, ref: Plain) -> None:
@@ -362,7 +378,7 @@ def assert_ten_sgd_steps_equal(net: torch.nn.Module, ref: Plain) -> None:
             opt.zero_grad()
             F.cross_entropy(model(x[t]), y[t]).backward()
             opt.step()
-    got, want = net.state_dict(), ref.cnn.state_dict()
+    got, want = net.cnn.state_dict(), ref.cnn.state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12, msg=key)
 
@@ -391,13 +407,15 @@ def test_the_first_blocks_wide_variant_equals_the_standard_one_bit_for_bit(dtype
 
 
 def test_a_bn_free_cnn_trains_through_its_fused_first_block_as_with_pytorch():
-    """Ten SGD steps of the BN-free CNN as pfedkit holds it (a FlatModel: conv weights channels_last, so the first
-    block runs as one kernel) in float64, against the same CNN with PyTorch's ops: equal parameters."""
+    """Ten SGD steps of the BN-free CNN as pfedkit holds it (a FlatModel, the standard layout) through the runtime's
+    forward (the first block one kernel with a channels_last output) in float64, against the same CNN with
+    PyTorch's ops: equal parameters."""
     net = FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0).double()).module
     ref = Plain(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0).double())
     assert native.covers_first_conv_pool(torch.rand(16, 1, 28, 28, dtype=torch.float64), net.conv1)
-    assert net.conv2.weight.is_contiguous(memory_format=torch.channels_last)
-    assert_ten_sgd_steps_equal(net, ref)
+    assert cnn.first_block(net, torch.rand(2, 1, 28, 28, dtype=torch.float64)).is_contiguous(
+        memory_format=torch.channels_last)
+    assert_ten_sgd_steps_equal(Fast(net), ref)
 
 
 def test_torch_func_transforms_take_pytorch_ops():
@@ -407,7 +425,9 @@ def test_torch_func_transforms_take_pytorch_ops():
     x, y = torch.rand(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
     params = {k: v.detach() for k, v in net.named_parameters()}
     buffers = {k: v.clone() for k, v in net.named_buffers()}
-    loss = lambda p, b: F.cross_entropy(torch.func.functional_call(net, {**p, **b}, (x,)), y)  # noqa: E731
+    fast = Fast(net)
+    named = lambda d: {"cnn." + k: v for k, v in d.items()}  # noqa: E731  (the runtime's forward of the CNN)
+    loss = lambda p, b: F.cross_entropy(torch.func.functional_call(fast, named({**p, **b}), (x,)), y)  # noqa: E731
     grads = torch.func.grad(loss)(params, buffers)  # the buffers an input: train-mode BatchNorm updates them
     F.cross_entropy(net(x), y).backward()
     for name, p in net.named_parameters():
@@ -421,28 +441,46 @@ def run_python(code: str, **env: str) -> str:
     return done.stdout.strip()
 
 
-CHECK = ("import torch; from pfedkit.models import native; from pfedkit.models.nets import relu_pool; "
+CHECK = ("import torch; from pfedkit.runtime import native; from pfedkit.runtime.cnn import relu_pool; "
          "x = torch.randn(2, 3, 8, 8); import torch.nn.functional as F; "
          "assert torch.equal(relu_pool(x), F.max_pool2d(torch.relu(x), 2)); print(native.why_not)")
 
 
-def test_without_a_working_compiler_the_models_fall_back_to_pytorch(tmp_path):
+def test_with_pfedkit_native_0_the_runtime_takes_pytorch_ops():
     assert run_python(CHECK, PFEDKIT_NATIVE="0") == "PFEDKIT_NATIVE=0"
-    failing = tmp_path / "cc"
-    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake && exit 0\necho 'fatal: no' >&2; exit 1\n")
-    failing.chmod(0o755)
-    said = run_python(CHECK, CC=str(failing), PFEDKIT_CACHE=str(tmp_path / "cache"))
-    assert said.startswith("building kernels.c failed") and "fatal: no" in said
-    assert not list((tmp_path / "cache" / "native").glob("*"))  # no half-written library left behind
 
 
-def test_the_library_is_built_once_per_machine_and_reused(tmp_path):
-    cache = tmp_path / "cache"
-    assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
-    assert len(list(cache.rglob("*.so"))) == 1
-    files = {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
-    assert run_python(CHECK, PFEDKIT_CACHE=str(cache)) == ""
-    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == files  # nothing built again
+def test_the_kernels_are_pytorch_operators_with_fake_and_autograd_registrations():
+    """torch.library.opcheck on every op: its schema, its fake implementation against the real one (shapes,
+    dtypes, strides: what torch.compile traces with), its autograd registration, and AOT dispatch."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 16, 8, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    nhwc = torch.randn(4, 16, 8, 8, dtype=torch.float64, generator=gen).contiguous(
+        memory_format=torch.channels_last).requires_grad_(True)
+    images = torch.rand(3, 1, 12, 16, dtype=torch.float64, generator=gen)
+    weight = torch.randn(8, 1, 5, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(8, dtype=torch.float64, generator=gen, requires_grad=True)
+    gamma, beta = (torch.randn(16, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    stats = torch.zeros(16, dtype=torch.float64), torch.ones(16, dtype=torch.float64)
+    ops = torch.ops.pfedkit
+    for op, args in ((ops.relu_pool, (z,)), (ops.relu_pool, (nhwc,)),
+                     (ops.bn_relu_pool, (z, gamma, beta, *stats, 0.1, 1e-5)),
+                     (ops.conv1, (images, weight, bias)), (ops.conv1_relu_pool, (images, weight, bias))):
+        torch.library.opcheck(op, args)
+
+
+def test_the_kernels_compile_with_torch_compile():
+    """torch.compile traces the runtime's CNN forward through the ops (fake implementations) without a graph break,
+    and the compiled step gives the eager kernels' loss and gradients."""
+    torch._dynamo.reset()
+    net = build_model(ModelConfig("cnn_bn"), (1, 28, 28), 10, 0).double()
+    x, y = torch.rand(8, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (8,))
+    eager_net, compiled_net = copy.deepcopy(net), copy.deepcopy(net)
+    compiled = torch.compile(lambda m, x: cnn.cnn_forward(m, x), fullgraph=True, backend="aot_eager")
+    F.cross_entropy(cnn.cnn_forward(eager_net, x), y).backward()
+    F.cross_entropy(compiled(compiled_net, x), y).backward()
+    for (name, a), b in zip(eager_net.named_parameters(), compiled_net.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-12, msg=name)
 
 
 # ---- the whole training step in C (native.CNNStep, kernels.c cnn_bn_step) ------------------------------------------
@@ -501,6 +539,11 @@ def test_the_c_training_step_in_float32_is_as_near_float64_as_pytorch():
     assert (ours - want).abs().max() / scale <= max(2 * (theirs - want).abs().max() / scale, 1e-6)
 
 
+needs_step_build = pytest.mark.skipif(native.library() is None or native.variant not in cnn.STEP_BUILDS,
+                                      reason="the whole C step is taken on the AVX512 build only")
+
+
+@needs_step_build
 @pytest.mark.parametrize("frozen", [False, True])
 def test_sgd_takes_the_c_step_for_lenet5_and_trains_as_a_plain_loop(frozen):
     """train.sgd on FL-bench's LeNet-5 (float64, momentum, a short last batch) goes through the C step and ends
@@ -542,22 +585,38 @@ def test_sgd_takes_the_c_step_for_lenet5_and_trains_as_a_plain_loop(frozen):
             torch.testing.assert_close(got[key], want, rtol=0, atol=1e-11, msg=key)
 
 
+def test_the_c_step_is_taken_on_the_avx512_build_only():
+    """On the AVX2 and DEFAULT builds the step's 64-byte vectors split and spill (4-10 times slower than the
+    autograd step with the per-op kernels: docs/performance.md): a process whose PyTorch runs at a lower CPU
+    capability loads that build and trains LeNet-5 through autograd."""
+    probe = ("import torch; from pfedkit.config import ModelConfig; from pfedkit.models import FlatModel, build_model;"
+             " from pfedkit.runtime import cnn, native;"
+             " m = FlatModel(build_model(ModelConfig('lenet5'), (1, 28, 28), 10, 0)).module;"
+             " print(native.variant, cnn.training_step(m, torch.zeros(1, 1, 28, 28)) is not None)")
+    for capability in ("default", "avx2", "avx512"):
+        said = run_python(probe, ATEN_CPU_CAPABILITY=capability).split()
+        if said[0] == capability:  # else this CPU (or build) does not have it
+            assert said[1] == str(capability in cnn.STEP_BUILDS), said
+
+
+@needs_step_build
 def test_the_c_step_is_not_taken_where_it_does_not_cover_or_pay():
     lenet = FlatModel(build_model(ModelConfig("lenet5"), (1, 28, 28), 10, 0))
     x = torch.zeros(1, 1, 28, 28)
-    assert lenet.module.training_step(x) is not None
-    assert FlatModel(build_model(ModelConfig("cnn_bn"), (1, 28, 28), 10, 0)).module.training_step(x) is not None
-    assert FlatModel(build_model(ModelConfig("cnn"), (1, 28, 28), 10, 0)).module.training_step(x) is None  # no BN
-    assert FlatModel(build_model(ModelConfig("lenet5"), (1, 32, 32), 10, 0)).module.training_step(
+    assert cnn.training_step(lenet.module, x) is not None
+    flat = lambda name, side=28: FlatModel(build_model(ModelConfig(name), (1, side, side), 10, 0)).module  # noqa
+    assert cnn.training_step(flat("cnn_bn"), x) is not None
+    assert cnn.training_step(flat("cnn"), x) is None  # no BN
+    assert cnn.training_step(flat("lenet5", 32),
         torch.zeros(1, 1, 32, 32)) is None  # conv2's kernels are for 28x28 images
-    assert lenet.module.training_step(x.double()) is None  # another dtype than the parameters'
+    assert cnn.training_step(lenet.module, x.double()) is None  # another dtype than the parameters'
     lenet.module.eval()
-    assert lenet.module.training_step(x) is None
+    assert cnn.training_step(lenet.module, x) is None
     lenet.module.train()
     handle = lenet.module.fc2.register_forward_hook(lambda *args: None)
-    assert lenet.module.training_step(x) is None  # the step would skip the hook
+    assert cnn.training_step(lenet.module, x) is None  # the step would skip the hook
     handle.remove()
-    step = lenet.module.training_step(x)
+    step = cnn.training_step(lenet.module, x)
     with pytest.raises(IndexError, match=r"labels must lie in \[0, 10\)"):
         step(torch.zeros(4, 1, 28, 28), torch.tensor([0, 3, 10, 1]))
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pfedkit import processes
+from pfedkit.runtime import processes
 from pfedkit.config import RuntimeConfig, load_config
 from pfedkit.errors import DataError
 from pfedkit.experiment import prepare

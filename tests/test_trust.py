@@ -122,24 +122,21 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path):
 
 
 def test_a_checkpoint_of_another_parameter_layout_is_refused_and_a_standard_one_still_resumes(tmp_path):
-    """A BN-free CNN's vectors hold conv weights as (out, h, w, in): a checkpoint written before that (no layout
-    recorded: standard order, the same shapes) would load without complaint and train on scrambled filters, so it is
-    refused in one line; the MLR's standard layout is what old checkpoints hold, so theirs still resume."""
+    """pfedkit 0.1 held a BN-free CNN's conv weights as (out, h, w, in) and recorded that layout ('conv-ohwi') in
+    its checkpoints: such a vector would load without complaint into today's standard layout and train on scrambled
+    filters, so it is refused in one line; a checkpoint in the standard layout, or from before the layout was
+    recorded (standard then for every model that resumes now), resumes."""
     out = interrupted_run(tmp_path, "dataset.name=mnist5k", "model.name=cnn", "partition.samples_per_client=40",
                           "rounds=3", "checkpoint_every=1")
     ckpt = out / "fedavg" / "checkpoint.pt"
     ck = torch.load(ckpt, weights_only=True)
-    assert ck["layout"] == "conv-ohwi"
+    assert ck["layout"] == "standard"
+    torch.save({**ck, "layout": "conv-ohwi"}, ckpt)
+    line = one_line(pfedkit("run", "--resume", str(out)))
+    assert "parameter layout 'conv-ohwi'" in line and "'standard'" in line and "checkpoint.pt" in line
     del ck["layout"]
     torch.save(ck, ckpt)
-    line = one_line(pfedkit("run", "--resume", str(out)))
-    assert "parameter layout 'standard'" in line and "'conv-ohwi'" in line and "checkpoint.pt" in line
-    old = interrupted_run(tmp_path / "mlr")
-    ck = torch.load(old / "fedavg" / "checkpoint.pt", weights_only=True)
-    assert ck["layout"] == "standard"
-    del ck["layout"]
-    torch.save(ck, old / "fedavg" / "checkpoint.pt")
-    assert pfedkit("run", "--resume", str(old)).returncode == 0
+    assert pfedkit("run", "--resume", str(out)).returncode == 0
 
 
 def test_resuming_a_run_folder_without_a_checkpoint_does_not_nest_a_fresh_run(tmp_path):

@@ -14,7 +14,8 @@ from ..algorithms import Algorithm
 from ..config import LocalConfig, RuntimeConfig
 from ..data import ClientData, FederatedData
 from ..models import FlatModel
-from ..train import ClientRunner, Cohort, predict, seeded_generator
+from ..runtime import ClientRunner
+from ..train import Cohort, predict, seeded_generator
 
 EVAL_STREAM = 0xE7A1  # key of the generators an evaluation-time adaptation draws its batches from
 

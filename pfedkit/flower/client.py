@@ -19,7 +19,7 @@ from ..config import Config, from_dict, load_config
 from ..data import FederatedData, build_federated
 from ..models import FlatModel, build_model
 from ..engine.clients import eval_vectors, fit_clients, score
-from ..train import ClientRunner
+from ..runtime import ClientRunner
 from .records import ARRAYS, METRICS, config_of, from_arrays, message_content
 
 STATE_PREFIX = "pfedkit:"  # context.state keys: one ArrayRecord of client state per algorithm run

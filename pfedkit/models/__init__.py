@@ -1,5 +1,4 @@
 from .layers import FlatModel, Layer, shaped
-from . import native  # noqa: F401
 from .nets import CNN, DNN, MLR, build_model
 
 __all__ = ["FlatModel", "Layer", "shaped", "CNN", "DNN", "MLR", "build_model"]

@@ -4,13 +4,9 @@ Loading a client's model is one `copy_`, reading it back one `clone`, an SGD ste
 (averages, layer-wise mixtures) works on flat vectors or stacks of them. The vector holds the trainable
 parameters first (`param_slice`) and then the float buffers (BatchNorm running statistics, `buffer_slice`).
 
-In a model without BatchNorm a convolution's weight (out, in, h, w) sits in the vector in (out, h, w, in) order
-and the module sees it as a channels_last view: oneDNN's convolutions on a CPU run faster on that layout
-(benchmarks/bench_cnn_clients.py) and the activations follow it. Not with BatchNorm: PyTorch's channels_last
-BatchNorm on a CPU sums its gradients less exactly (orders of magnitude further from float64 than the standard
-layout after a few SGD steps), so BN models keep the standard layout. Element order inside a layer matters only to
-code that reads the vector by element position; `state_dict` gives the standard shapes, and `layout` goes into
-checkpoints so a vector of another layout is refused.
+Every tensor lies in the vector row-major in its own shape, in the module's order (`state_dict`'s order and
+shapes): one layout for every model, whatever runs it. `layout` goes into checkpoints, so that a vector of another
+layout (pfedkit 0.1 held a BN-free CNN's convolution weights channels_last) is refused instead of misread.
 """
 from __future__ import annotations
 
@@ -20,19 +16,12 @@ import torch
 from torch import nn
 
 
-CHANNELS_LAST = "conv-ohwi"  # the layout names checkpoints record: conv weights stored (out, h, w, in)
-STANDARD = "standard"  # every tensor row-major in its own shape
+STANDARD = "standard"  # the layout name checkpoints record: every tensor row-major in its own shape
 
 
-def shaped(segment: torch.Tensor, shape: torch.Size | tuple[int, ...], channels_last: bool = True) -> torch.Tensor:
-    """A vector segment (or a stack of them, (C, n)) as the tensor(s) of `shape`: with `channels_last` a conv
-    weight (4-d) is stored (out, h, w, in) and seen as a channels_last (out, in, h, w) view; the rest row-major."""
-    lead = segment.shape[:-1]
-    if len(shape) != 4 or not channels_last:
-        return segment.view(*lead, *shape)
-    o, i, h, w = shape
-    k = len(lead)
-    return segment.view(*lead, o, h, w, i).permute(*range(k), k, k + 3, k + 1, k + 2)
+def shaped(segment: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """A vector segment (or a stack of them, (C, n)) as the tensor(s) of `shape`."""
+    return segment.view(*segment.shape[:-1], *shape)
 
 
 @dataclass(frozen=True)
@@ -54,9 +43,7 @@ class FlatModel:
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.num_batches_tracked = None  # unused with a fixed momentum; keeps every buffer float
         self.module = module
-        bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
-        self.channels_last = not bn and any(p.dim() == 4 for p in module.parameters())
-        self.layout = CHANNELS_LAST if self.channels_last else STANDARD
+        self.layout = STANDARD
         first = next(module.parameters())
         device, dtype = first.device, first.dtype
         params = list(module.named_parameters())
@@ -68,10 +55,10 @@ class FlatModel:
         self.names: list[tuple[str, slice, torch.Size]] = []
         offset = 0
         for name, p in params:
-            view = shaped(self.vector[offset: offset + p.numel()], p.shape, self.channels_last)
+            view = shaped(self.vector[offset: offset + p.numel()], p.shape)
             view.copy_(p.detach())
             p.data = view
-            p.grad = shaped(self.grad[offset: offset + p.numel()], p.shape, self.channels_last)  # backward accumulates in place
+            p.grad = shaped(self.grad[offset: offset + p.numel()], p.shape)  # backward accumulates in place
             self.names.append((name, slice(offset, offset + p.numel()), p.shape))
             offset += p.numel()
         owners = dict(module.named_modules())
@@ -129,4 +116,4 @@ class FlatModel:
 
     def state_dict(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views of a flat vector, shaped like the module's state dict."""
-        return {name: shaped(vector[s], shape, self.channels_last) for name, s, shape in self.names}
+        return {name: shaped(vector[s], shape) for name, s, shape in self.names}

@@ -34,7 +34,9 @@ def unstack_features(x: torch.Tensor, clients: int) -> torch.Tensor:
 def conv_many(params: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
     """Each client's convolution (stride 1, no padding) on its own channels of the stacked x: one grouped conv."""
     weight, bias = params[f"{name}.weight"], params[f"{name}.bias"]
-    return torch.nn.functional.conv2d(x, weight.flatten(0, 1), bias.flatten(), groups=weight.shape[0])
+    # the weight in x's layout (channels_last): with one layout the convolution runs in it, without converting
+    stacked = weight.flatten(0, 1).contiguous(memory_format=torch.channels_last)
+    return torch.nn.functional.conv2d(x, stacked, bias.flatten(), groups=weight.shape[0])
 
 
 def batch_norm_many(params: dict[str, torch.Tensor], name: str, x: torch.Tensor, mask: torch.Tensor,

@@ -1,7 +1,8 @@
 """The papers' models: pFedHN's small CNN (with or without BatchNorm), FL-bench's LeNet-5 (the same layout with
 6 and 16 channels and BatchNorm), MLR and a one-hidden-layer DNN.
 
-Each names its last linear layer `head_layers`; everything before it is the body (FedRep, FedTC).
+Each names its last linear layer `head_layers`; everything before it is the body (FedRep, FedTC). They are plain
+PyTorch modules: how the runtime runs them fast (C kernels, batched forms) lives in pfedkit/runtime/.
 """
 from __future__ import annotations
 
@@ -13,13 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from . import native
 from .many import batch_norm_many, conv_many, linear_many, stack_images, unstack_features
-
-
-# conv1 x conv2 output channels up to which the C training step was measured to pay (the CNN + BN's 16 x 32: its
-# conv2 does five times LeNet-5's work, in vectors of 16 where oneDNN's kernel has more registers' worth)
-STEP_MAX_CHANNELS = 512
 
 
 class CNN(nn.Module):
@@ -46,31 +41,11 @@ class CNN(nn.Module):
         self.fc3 = nn.Linear(84, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.first_block(x)
-        x = bn_relu_pool(self.bn2, self.conv2(x))
+        x = F.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
         x = torch.relu(self.fc1(x.flatten(1)))
         x = torch.relu(self.fc2(x))
         return self.fc3(x)
-
-    def first_block(self, x: torch.Tensor) -> torch.Tensor:
-        """relu_pool(bn1(conv1(x))) in the layout conv2 runs in: a BN-free model whose conv2 weight is
-        channels_last (in a FlatModel) gets the first conv, ReLU and pooling as one C kernel with a channels_last
-        output; a BN model the conv kernel in the standard layout (its output in channels_last cost 10 % a step:
-        the layouts mixed), then BatchNorm fused with the pooling; PyTorch's ops where the kernels do not cover."""
-        if isinstance(self.bn1, nn.Identity) and self.conv2.weight.is_contiguous(memory_format=torch.channels_last) \
-                and native.covers_first_conv_pool(x, self.conv1):
-            return native.first_conv_relu_pool(x, self.conv1)
-        fused = native.covers_first_conv(x, self.conv1) and self.conv2.weight.is_contiguous()
-        return bn_relu_pool(self.bn1, native.first_conv(x, self.conv1) if fused else self.conv1(x))
-
-    def training_step(self, x: torch.Tensor) -> "native.CNNStep | None":
-        """The whole training step (forward, loss, gradients, BatchNorm's running statistics) as one C call
-        (native.CNNStep) for batches like x, where the kernels cover this model and it pays: the BatchNorm models
-        on 28x28 images, with conv channel products up to STEP_MAX_CHANNELS (benchmarks/bench_cnn_clients.py);
-        None: the autograd step."""
-        if self.conv1.out_channels * self.conv2.out_channels > STEP_MAX_CHANNELS:
-            return None
-        return native.cnn_step(self, x)
 
     def forward_many(self, params: dict[str, torch.Tensor], x: torch.Tensor, mask: torch.Tensor,
                      running: bool = True) -> torch.Tensor:
@@ -87,41 +62,6 @@ class CNN(nn.Module):
         h = torch.relu(linear_many(params, "fc1", unstack_features(h, clients)))
         h = torch.relu(linear_many(params, "fc2", h))
         return linear_many(params, "fc3", h)
-
-
-def bn_relu_pool(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """relu_pool(bn(x)), a training-mode BatchNorm fused into the C kernels where they cover it (models/native.py:
-    the statistics, normalization, ReLU and pooling in three passes over x, the gradient in two)."""
-    if native.covers_batch_norm(x, bn):
-        return native.batch_norm_relu_pool(x, bn)
-    return relu_pool(bn(x))
-
-
-def relu_pool(x: torch.Tensor) -> torch.Tensor:
-    """F.max_pool2d(torch.relu(x), 2), with its gradient: through the C kernels of models/native.py where they
-    cover x (CPU batches in the standard layout, several times faster than PyTorch's kernels there, or
-    channels_last, the BN-free models' activations), in PyTorch otherwise (GPU)."""
-    if native.covers(x):
-        return native.relu_pool(x)
-    return max_pool2x2(torch.relu(x))
-
-
-def max_pool2x2(x: torch.Tensor) -> torch.Tensor:
-    """F.max_pool2d(x, 2). Without autograd (evaluation) as the maximum of the four strided quarters of each 2x2
-    window: the same values (a maximum is exact, and NaN propagates as in max_pool2d), and on a CPU several times
-    faster than max_pool2d's kernel. With autograd max_pool2d itself: its backward is the fast part, and computing
-    its indices by hand is no faster."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return F.max_pool2d(x, 2)
-    top_left, top_right, bottom_left, bottom_right = quarters(x)
-    return torch.maximum(torch.maximum(top_left, top_right), torch.maximum(bottom_left, bottom_right))
-
-
-def quarters(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The four strided views of x's 2x2 windows (top left, top right, bottom left, bottom right); an odd last row
-    or column is dropped, as max_pool2d does."""
-    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
-    return x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2], x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2]
 
 
 class MLR(nn.Module):

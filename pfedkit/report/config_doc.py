@@ -203,8 +203,8 @@ Not config: they change speed, and float32 results only by rounding.
 | variable | meaning |
 |---|---|
 | `PFEDKIT_NATIVE` | `0`: the CNNs run on PyTorch's own ops instead of pfedkit's C kernels |
-| `PFEDKIT_CACHE` | where the C kernels are compiled to (default `~/.cache/pfedkit`) |
-| `CC` | the C compiler for the kernels (default: Python's, else `cc`, `gcc`, `clang`) |
+| `ATEN_CPU_CAPABILITY` | PyTorch's own: lowers the CPU capability its kernels use (`default`, `avx2`, `avx512`); pfedkit's C kernels follow it (one build per capability) |
+| `CC` | at install time only: the C compiler `pip install` builds the kernels with (setuptools' choice) |
 """
 
 

@@ -1,43 +1,32 @@
-"""Fused CPU kernels in C (kernels.c), compiled once per machine with the host's C compiler and called through
-ctypes: ReLU + 2x2 max pooling, training-mode BatchNorm + ReLU + pooling, the 5x5 convolution of one-channel
-images, and that convolution fused with ReLU + pooling in channels_last (the BN-free CNN's first block), the hot
-spots of a small CNN's training step on a CPU; and the BatchNorm CNNs' whole training step in one call (CNNStep).
+"""pfedkit's C kernels (kernels.c) for a small CNN's hot spots on a CPU, as PyTorch custom operators
+(`torch.ops.pfedkit.*`, registered with torch.library: fake implementations for torch.compile, autograd
+formulas for training): ReLU + 2x2 max pooling, training-mode BatchNorm + ReLU + pooling, the 5x5 convolution of
+one-channel images, and that convolution fused with ReLU + pooling in channels_last (the BN-free CNN's first
+block); and the BatchNorm CNNs' whole training step as one call (CNNStep, runtime/cnn.py decides where).
 
-The kernels are optional. Without a C compiler, on another device, for a layout or shape they do not cover, under
-a torch.func transform (grad, vmap: the kernels are autograd Functions of raw pointers), or with PFEDKIT_NATIVE=0
-in the environment, the models (nets.relu_pool) run the same arithmetic in PyTorch: the pooling is equal bit for
-bit, BatchNorm and the convolution to rounding (tests/test_native.py).
+The package's build compiles kernels.c once per CPU capability, as PyTorch does its own CPU kernels (setup.py:
+DEFAULT, AVX2, AVX512, portable baselines, never -march=native), into shared libraries beside this file; the one
+PyTorch's own capability check picks (`torch.backends.cpu.get_cpu_capability()`, which ATEN_CPU_CAPABILITY
+overrides) is loaded, through ctypes (calls release the GIL, so clients side by side use their cores). Nothing is
+compiled at run time and nothing is loaded from outside the installed package.
 
-The shared library is built with `-O3 -march=native` into $PFEDKIT_CACHE (default ~/.cache/pfedkit)/native,
-under a name that hashes the source, the compiler's version and the CPU's model and flags, so a cache shared
-between machines never loads another CPU's build. It is written to a temporary name and renamed, so processes
-building it at once do not see half a file.
-
-Loading a library runs its code, so only a library this user built for this source is loaded: the cache folders
-are created private (0o700) and refused, with one line on stderr and the kernels unused, where another user owns
-them or others may write to them; the library must be a regular file of this user's (a symbolic link is never
-followed) that no one else may write to, whose bytes have the SHA-256 its builder recorded beside it
-(`<name>.sha256`). A library that fails those checks (truncated, replaced, foreign) is rebuilt in its place, with
-one line saying why.
+The kernels are optional. Where the install has none (built without a C compiler), on another device, for a
+layout or shape they do not cover, under a torch.func transform (the ops' autograd formulas do not reach functorch),
+or with PFEDKIT_NATIVE=0 in the environment, the runtime (runtime/cnn.py) runs the same arithmetic on PyTorch's
+ops: the pooling equal bit for bit, BatchNorm and the convolution to rounding (tests/test_native.py); `why_not`
+says in one line why, and the run's "clients: ..." line repeats it.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import stat
-import subprocess
-import sys
 import sysconfig
-import tempfile
 import threading
 import weakref
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import Tensor
 
 try:
     from torch._C._functorch import peek_interpreter_stack
@@ -46,8 +35,9 @@ except ImportError:  # a torch without torch.func
         return None
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-Wno-psabi"]
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+# the build's variants (setup.py) by PyTorch's CPU capability names, the best first
+CAPABILITIES = ("avx512", "avx2", "default")
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
@@ -65,159 +55,43 @@ SIGNATURES = {  # the kernels' arguments: pointers, then (N, C, H, W)
     "cnn_bn_sgd": [_P] * 9 + [_I] * 6 + [_P] * 5 + [_I] + [_P] * 2,
 }
 LANES = {torch.float32: 8, torch.float64: 4}  # the kernels' vector width (kernels.c: 32 bytes)
-# the first block's wide variant (64 bytes), taken where the CPU has 512-bit registers and the channels fill them
+# the first block's wide variant (64 bytes), taken where the build has 512-bit registers and the channels fill them
 WIDE_KERNELS = ("conv1_relu_pool_nhwc", "conv1_relu_pool_nhwc_backward")
 WIDE_LANES = {torch.float32: 16, torch.float64: 8}
-wide = False  # whether this machine's build runs the wide variant natively (set when the library loads)
+wide = False  # whether the loaded build runs the wide variant natively (set when the library loads)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _kernels: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}  # (name, dtype): the typed function
 _tried = False
-why_not = ""  # why the kernels are not in use, when they are not (README "Speed"; pfedkit's own tests print it)
+why_not = ""  # why the kernels are not in use, when they are not
+variant = ""  # the build in use: one of CAPABILITIES
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name.split()[0]):
-            return name.split()[0]
-    return None
+def built(name: str) -> Path:
+    """Where the build puts the variant `name` (setup.py)."""
+    return Path(__file__).with_name(f"_kernels_{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}")
 
 
-def _cpu() -> str:
-    """What makes a -march=native build this machine's own: the CPU's model name and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() + platform.machine()
-    keep = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({l for l in lines if l.split(":")[0].strip() in keep}))
+def _variants() -> list[str]:
+    """The builds this CPU runs, the best first, by PyTorch's own capability check."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return list(CAPABILITIES[CAPABILITIES.index(capability):]) if capability in CAPABILITIES else ["default"]
 
 
-class Untrusted(Exception):
-    """A cache folder or library that this user did not make for this source: the message says why."""
-
-
-def _key(cc: str) -> str:
-    source = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu().encode()]))
-    return key.hexdigest()[:20]
-
-
-def _cache_folder() -> Path:
-    """$PFEDKIT_CACHE (default ~/.cache/pfedkit)/native, the missing folders made private; refused where it or
-    the cache folder above it belongs to another user or others may write to it (they could plant a library in it,
-    or put a folder of theirs in its place)."""
-    root = Path(os.environ.get("PFEDKIT_CACHE") or Path.home() / ".cache" / "pfedkit")
-    for path in (root, root / "native"):  # the root checked before anything is made in it
-        for missing in reversed([p for p in (path, *path.parents) if not os.path.lexists(p)]):
-            try:
-                os.mkdir(missing, 0o700)
-            except FileExistsError:  # made by another process at once: checked below like any other
-                continue
-            os.chmod(missing, 0o700)  # a umask can only narrow mkdir's mode: make it usable whatever the umask
-        info = os.stat(path)
-        if info.st_uid != os.geteuid():
-            raise Untrusted(f"{path}: owned by another user (uid {info.st_uid}); set PFEDKIT_CACHE to a folder "
-                            f"of your own")
-        if info.st_mode & 0o022:
-            raise Untrusted(f"{path}: writable by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
-                            f"`chmod go-w {path}` or set PFEDKIT_CACHE to a private folder")
-    return root / "native"
-
-
-def _record(library: Path) -> Path:
-    return library.with_name(library.name + ".sha256")  # the hash of the library's bytes, written by its builder
-
-
-def _open_own(path: Path) -> int:
-    """A descriptor of path if it is a regular file of this user's that no one else may write to. A symbolic link
-    is never followed and a FIFO never waited on."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if os.path.islink(path):
-            raise Untrusted("a symbolic link") from e
-        raise
-    info = os.fstat(fd)
-    why = ("not a regular file" if not stat.S_ISREG(info.st_mode)
-           else f"owned by another user (uid {info.st_uid})" if info.st_uid != os.geteuid()
-           else "writable by group or others" if info.st_mode & 0o022 else "")
-    if why:
-        os.close(fd)
-        raise Untrusted(why)
-    return fd
-
-
-def _digest(fd: int) -> str:
-    sha = hashlib.sha256()
-    os.lseek(fd, 0, os.SEEK_SET)
-    while chunk := os.read(fd, 1 << 20):
-        sha.update(chunk)
-    return sha.hexdigest()
-
-
-def _trusted(library: Path) -> int:
-    """A descriptor of the cached library if this user built it: a file of theirs (`_open_own`) whose bytes hash to
-    what its builder recorded beside it. FileNotFoundError where none was built, or no hash was recorded (an
-    earlier pfedkit's build: never loaded, rebuilt without a word); Untrusted otherwise."""
-    fd = _open_own(library)
-    try:
-        try:
-            record = _open_own(_record(library))
-        except Untrusted as e:
-            raise Untrusted(f"its hash record {_record(library).name}: {e}") from None
-        try:
-            recorded = os.read(record, 100).decode("ascii", "replace").strip()
-        finally:
-            os.close(record)
-        if _digest(fd) != recorded:
-            raise Untrusted("its bytes differ from the hash recorded when it was built (truncated or replaced)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _build(cc: str, target: Path) -> int:
-    """Compile kernels.c to a temporary file beside target, record its hash, rename both into place; returns a
-    descriptor of the bytes this process built and hashed (whatever another process renames there meanwhile)."""
-    made, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(made)
-    made, record = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
-    os.close(made)
-    fd = -1
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            said = done.stderr.strip().splitlines()
-            raise OSError(f"{cc} failed: {said[-1] if said else done.returncode}")
-        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        info = os.fstat(fd)
-        if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):  # the folder swapped while compiling
-            raise Untrusted(f"{tmp}: not the file the compiler wrote")
-        os.fchmod(fd, 0o700)  # the linker's mode follows the umask: no one else may write to it
-        Path(record).write_text(_digest(fd) + "\n")
-        os.replace(record, _record(target))  # the record first: a library in place always has one
-        os.replace(tmp, target)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        raise
-    finally:
-        for path in (tmp, record):
-            if os.path.exists(path):
-                os.unlink(path)
-    return fd
-
-
-def _dlopen(fd: int, path: Path) -> ctypes.CDLL:
-    """The library open at fd: through /proc the very file checked, not whatever path names by then. The
-    descriptor stays open: the loader knows the library by this name, and would hand it back for a later library
-    opened under the same descriptor number."""
-    return ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
+def _whole(path: Path) -> None:
+    """OSError where an ELF library ends before its section headers do: a truncated file (a damaged install) maps
+    past its end when loaded and kills the process (SIGBUS) instead of failing."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+    if head[:4] != b"\x7fELF" or head[4] != 2:  # not a 64-bit ELF (another platform's format): the loader decides
+        return
+    order = "little" if head[5] == 1 else "big"
+    end = int.from_bytes(head[0x28:0x30], order) + int.from_bytes(head[0x3A:0x3C], order) * int.from_bytes(
+        head[0x3C:0x3E], order)
+    if end > size:
+        raise OSError(f"truncated ({size} of at least {end} bytes)")
 
 
 def _bind(lib: ctypes.CDLL) -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr]:
@@ -236,43 +110,9 @@ def _bind(lib: ctypes.CDLL) -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr]:
     return kernels
 
 
-def _open_library(cc: str) -> tuple[ctypes.CDLL, dict]:
-    """The cached library and its kernels, built where there is none and rebuilt in place (with one line saying
-    why) where the cached one is not this user's own build of this source."""
-    target = _cache_folder() / f"kernels-{_key(cc)}.so"
-    rebuilt = ""
-    try:
-        lib = _dlopen(_trusted(target), target)
-        return lib, _bind(lib)
-    except FileNotFoundError:  # not built yet (or built without a record)
-        pass
-    except AttributeError:  # this user's file, loaded, but a kernel is missing: not this source's library
-        rebuilt = f"{target}: a library without pfedkit's kernels"
-    except (Untrusted, OSError) as e:  # truncated, replaced, not this user's: never loaded
-        rebuilt = f"{target}: {e}"
-    try:
-        fd = _build(cc, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        if rebuilt:
-            raise Untrusted(f"{rebuilt}; rebuilding it failed: {e}") from e
-        raise
-    lib = _dlopen(fd, target)
-    try:
-        kernels = _bind(lib)
-    except AttributeError as e:
-        raise Untrusted(f"{target}: the fresh build lacks a kernel: {e}") from e
-    if rebuilt:
-        _say(f"rebuilt the C kernels: {rebuilt}")
-    return lib, kernels
-
-
-def _say(line: str) -> None:
-    print(f"pfedkit: warning: {line}", file=sys.stderr)
-
-
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None (and `why_not` says why) where they cannot be had."""
-    global _library, _tried, why_not, wide
+    """The kernels' library, loaded on first use; None (and `why_not` says why) where there is none to load."""
+    global _library, _tried, why_not, wide, variant
     if _tried:
         return _library
     with _lock:
@@ -280,25 +120,25 @@ def library() -> ctypes.CDLL | None:
             return _library
         if os.environ.get("PFEDKIT_NATIVE", "1") == "0":
             why_not = "PFEDKIT_NATIVE=0"
-        elif (cc := _compiler()) is None:
-            why_not = "no C compiler (cc, gcc or clang) on PATH"
         else:
-            try:
-                lib, kernels = _open_library(cc)
-                _kernels.update(kernels)
-                wide = bool(lib.wide_vectors_native())
-                _library = lib
-            except Untrusted as e:
-                why_not = str(e)
-                _say(f"not using the C kernels: {e}")
-            except (OSError, subprocess.SubprocessError) as e:
-                why_not = f"building {SOURCE.name} failed: {e}"
+            present = [v for v in _variants() if built(v).is_file()]
+            if not present:
+                why_not = (f"this install has no build of {SOURCE.name} (it was built without a C compiler; "
+                           f"`pip install -e .` or a wheel built where one is rebuilds them)")
+            else:
+                try:
+                    _whole(built(present[0]))
+                    lib = ctypes.CDLL(str(built(present[0])))
+                    _kernels.update(_bind(lib))
+                    wide, variant, _library = bool(lib.wide_vectors_native()), present[0], lib
+                except (OSError, AttributeError) as e:
+                    why_not = f"{built(present[0]).name} does not load as this source's kernels: {e}"
         _tried = True
     return _library
 
 
 def _ready() -> bool:
-    """The kernels are built and no torch.func transform is active (its wrapped tensors have no data pointers)."""
+    """The kernels are loaded and no torch.func transform is active (its wrapped tensors have no data pointers)."""
     return library() is not None and peek_interpreter_stack() is None
 
 
@@ -316,82 +156,216 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
     _kernels[name, dtype](*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
 
 
-class _ReluPool(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
-        # the standard layout, or channels_last (N, H, W, C in memory; where C is 1, the two are the same)
-        layout = torch.contiguous_format if z.is_contiguous() else torch.channels_last
-        name = "relu_pool" if layout == torch.contiguous_format else "relu_pool_nhwc"
-        out = torch.empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2, dtype=z.dtype, memory_format=layout)
-        code = torch.empty_like(out, dtype=torch.uint8)  # which window position takes the gradient (4: none)
-        _call(name, z.dtype, z, out, code, *z.shape)
-        ctx.save_for_backward(code)
-        ctx.input_shape, ctx.layout, ctx.name = z.shape, layout, name
-        return out
+# ---- the kernels as PyTorch operators ---------------------------------------------------------------------------
+# Each forward op returns what its backward needs beside its output (the window codes, BatchNorm's batch
+# statistics); those extra outputs take no gradient. The fake implementations give the real ones' shapes, dtypes
+# and layouts, so torch.compile traces through the ops without running them.
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (code,) = ctx.saved_tensors
-        grad = grad.contiguous(memory_format=ctx.layout)
-        grad_in = torch.empty(ctx.input_shape, dtype=grad.dtype, memory_format=ctx.layout)  # every element written
-        _call(ctx.name + "_backward", grad.dtype, grad, code, grad_in, *ctx.input_shape)
-        return grad_in
+def _layout(z: Tensor) -> torch.memory_format:
+    # the standard layout, or channels_last (N, H, W, C in memory; where C is 1, the two are the same)
+    return torch.contiguous_format if z.is_contiguous() else torch.channels_last
 
 
-class _BatchNormReluPool(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z, weight, bias, running_mean, running_var, momentum, eps):
-        out = z.new_empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2)
-        code, taken = torch.empty(out.shape, dtype=torch.uint8), torch.empty_like(out)
-        mean, invstd = (torch.empty(z.shape[1], dtype=torch.float64) for _ in range(2))
-        _call("bn_relu_pool", z.dtype, z, weight, bias, running_mean, running_var, momentum, eps, out, code, taken,
-              mean, invstd, *z.shape)
-        ctx.save_for_backward(z, weight, code, taken, mean, invstd)
-        return out
+def _pooled(z: Tensor, layout: torch.memory_format) -> tuple[Tensor, Tensor]:
+    out = torch.empty(*z.shape[:2], z.shape[2] // 2, z.shape[3] // 2, dtype=z.dtype, device=z.device,
+                      memory_format=layout)
+    return out, torch.empty_like(out, dtype=torch.uint8)  # code: which window position takes the gradient (4: none)
 
-    @staticmethod
-    def backward(ctx, grad):
-        z, weight, code, taken, mean, invstd = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_in, grad_weight, grad_bias = torch.empty_like(z), torch.empty_like(weight), torch.empty_like(weight)
-        _call("bn_relu_pool_backward", z.dtype, grad, code, taken, z, weight, mean, invstd, grad_in, grad_weight,
-              grad_bias, *z.shape)
-        return grad_in, grad_weight, grad_bias, None, None, None, None
+
+@torch.library.custom_op("pfedkit::relu_pool", mutates_args=())
+def _relu_pool_op(z: Tensor) -> tuple[Tensor, Tensor]:
+    layout = _layout(z)
+    out, code = _pooled(z, layout)
+    _call("relu_pool" if layout == torch.contiguous_format else "relu_pool_nhwc", z.dtype, z, out, code, *z.shape)
+    return out, code
+
+
+@_relu_pool_op.register_fake
+def _(z):
+    return _pooled(z, _layout(z))
+
+
+@torch.library.custom_op("pfedkit::relu_pool_backward", mutates_args=())
+def _relu_pool_backward_op(grad: Tensor, code: Tensor) -> Tensor:
+    layout = _layout(code)
+    n, c, h, w = code.shape
+    grad_in = torch.empty(n, c, 2 * h, 2 * w, dtype=grad.dtype, memory_format=layout)  # every element written
+    name = "relu_pool_backward" if layout == torch.contiguous_format else "relu_pool_nhwc_backward"
+    _call(name, grad.dtype, grad.contiguous(memory_format=layout), code, grad_in, *grad_in.shape)
+    return grad_in
+
+
+@_relu_pool_backward_op.register_fake
+def _(grad, code):
+    n, c, h, w = code.shape
+    return torch.empty(n, c, 2 * h, 2 * w, dtype=grad.dtype, device=grad.device, memory_format=_layout(code))
+
+
+def _save_code(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])
+
+
+_relu_pool_op.register_autograd(lambda ctx, grad, _code: _relu_pool_backward_op(grad, ctx.saved_tensors[0]),
+                                setup_context=_save_code)
 
 
 def relu_pool(x: torch.Tensor) -> torch.Tensor:
     """F.max_pool2d(torch.relu(x), 2) through the C kernels, for an x they cover (`covers`): the same values and
     the same gradient. Any other x (a layout, shape or dtype the kernels would misread) takes PyTorch's ops."""
     if not covers(x):
-        return F.max_pool2d(torch.relu(x), 2)
-    return _ReluPool.apply(x)
+        return torch.nn.functional.max_pool2d(torch.relu(x), 2)
+    return _relu_pool_op(x)[0]
 
 
-class _FirstConv(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        n, _, h, w = x.shape
-        out = x.new_empty(n, weight.shape[0], h - 4, w - 4)
-        _call("conv1", x.dtype, x, weight, bias, out, n, h, w, weight.shape[0])
-        ctx.save_for_backward(x)
-        ctx.weight_shape = weight.shape
-        return out
+def _statistics(z: Tensor) -> tuple[Tensor, Tensor]:
+    return (torch.empty(z.shape[1], dtype=torch.float64, device=z.device) for _ in range(2))
 
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        grad = grad.contiguous()
-        n, _, h, w = x.shape
-        grad_weight = grad.new_empty(ctx.weight_shape)
-        grad_bias = grad.new_empty(ctx.weight_shape[0])
-        _call("conv1_weight_grad", x.dtype, x, grad, grad_weight, grad_bias, n, h, w, ctx.weight_shape[0])
-        return None, grad_weight, grad_bias
+
+@torch.library.custom_op("pfedkit::bn_relu_pool", mutates_args=())
+def _bn_relu_pool_op(z: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor,
+                     momentum: float, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Functional (an op with an autograd formula may not write its inputs): the running statistics updated come
+    back as new tensors, which `batch_norm_relu_pool` copies into the module's."""
+    out, code = _pooled(z, torch.contiguous_format)
+    taken = torch.empty_like(out)
+    mean, invstd = _statistics(z)
+    running_mean, running_var = running_mean.clone(), running_var.clone()
+    _call("bn_relu_pool", z.dtype, z, weight, bias, running_mean, running_var, momentum, eps, out, code, taken,
+          mean, invstd, *z.shape)
+    return out, code, taken, mean, invstd, running_mean, running_var
+
+
+@_bn_relu_pool_op.register_fake
+def _(z, weight, bias, running_mean, running_var, momentum, eps):
+    out, code = _pooled(z, torch.contiguous_format)
+    return (out, code, torch.empty_like(out), *_statistics(z), torch.empty_like(running_mean),
+            torch.empty_like(running_var))
+
+
+@torch.library.custom_op("pfedkit::bn_relu_pool_backward", mutates_args=())
+def _bn_relu_pool_backward_op(grad: Tensor, code: Tensor, taken: Tensor, z: Tensor, weight: Tensor, mean: Tensor,
+                              invstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    grad_in, grad_weight, grad_bias = torch.empty_like(z), torch.empty_like(weight), torch.empty_like(weight)
+    _call("bn_relu_pool_backward", z.dtype, grad.contiguous(), code, taken, z, weight, mean, invstd, grad_in,
+          grad_weight, grad_bias, *z.shape)
+    return grad_in, grad_weight, grad_bias
+
+
+@_bn_relu_pool_backward_op.register_fake
+def _(grad, code, taken, z, weight, mean, invstd):
+    return torch.empty_like(z), torch.empty_like(weight), torch.empty_like(weight)
+
+
+def _save_bn(ctx, inputs, output) -> None:
+    z, weight = inputs[:2]
+    _, code, taken, mean, invstd, _, _ = output
+    ctx.save_for_backward(z, weight, code, taken, mean, invstd)
+
+
+def _bn_backward(ctx, grad, *_unused):
+    z, weight, code, taken, mean, invstd = ctx.saved_tensors
+    return (*_bn_relu_pool_backward_op(grad, code, taken, z, weight, mean, invstd), None, None, None, None)
+
+
+_bn_relu_pool_op.register_autograd(_bn_backward, setup_context=_save_bn)
+
+
+def _conv_out(x: Tensor, weight: Tensor) -> Tensor:
+    n, _, h, w = x.shape
+    return x.new_empty(n, weight.shape[0], h - 4, w - 4)
+
+
+@torch.library.custom_op("pfedkit::conv1", mutates_args=())
+def _conv1_op(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    out = _conv_out(x, weight)
+    _call("conv1", x.dtype, x, weight, bias, out, x.shape[0], x.shape[2], x.shape[3], weight.shape[0])
+    return out
+
+
+@_conv1_op.register_fake
+def _(x, weight, bias):
+    return _conv_out(x, weight)
+
+
+def _weight_grads(x: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    outs = grad.shape[1]
+    return grad.new_empty(outs, x.shape[1], 5, 5), grad.new_empty(outs)
+
+
+@torch.library.custom_op("pfedkit::conv1_backward", mutates_args=())
+def _conv1_backward_op(x: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    grad_weight, grad_bias = _weight_grads(x, grad)
+    _call("conv1_weight_grad", x.dtype, x, grad.contiguous(), grad_weight, grad_bias, x.shape[0], x.shape[2],
+          x.shape[3], grad.shape[1])
+    return grad_weight, grad_bias
+
+
+@_conv1_backward_op.register_fake
+def _(x, grad):
+    return _weight_grads(x, grad)
+
+
+def _save_images(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+_conv1_op.register_autograd(lambda ctx, grad: (None, *_conv1_backward_op(ctx.saved_tensors[0], grad)),
+                            setup_context=_save_images)
+
+
+def _first_block_out(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    n, _, h, w = x.shape
+    out = torch.empty(n, weight.shape[0], (h - 4) // 2, (w - 4) // 2, dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last)
+    return out, torch.empty_like(out, dtype=torch.uint8)
+
+
+def _first_block_kernel(dtype: torch.dtype, outs: int, backward: bool = False) -> str:
+    return ("conv1_relu_pool_nhwc" + ("_backward" if backward else "")
+            + ("_wide" if wide and outs % WIDE_LANES[dtype] == 0 else ""))
+
+
+@torch.library.custom_op("pfedkit::conv1_relu_pool", mutates_args=())
+def _conv1_relu_pool_op(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    out, code = _first_block_out(x, weight)
+    n, _, h, w = x.shape
+    _call(_first_block_kernel(x.dtype, weight.shape[0]), x.dtype, x, weight, bias, out, code, n, h, w,
+          weight.shape[0])
+    return out, code
+
+
+@_conv1_relu_pool_op.register_fake
+def _(x, weight, bias):
+    return _first_block_out(x, weight)
+
+
+@torch.library.custom_op("pfedkit::conv1_relu_pool_backward", mutates_args=())
+def _conv1_relu_pool_backward_op(x: Tensor, grad: Tensor, code: Tensor) -> tuple[Tensor, Tensor]:
+    grad_weight, grad_bias = _weight_grads(x, grad)
+    n, _, h, w = x.shape
+    _call(_first_block_kernel(x.dtype, grad.shape[1], backward=True), x.dtype, x,
+          grad.contiguous(memory_format=torch.channels_last), code, grad_weight, grad_bias, n, h, w, grad.shape[1])
+    return grad_weight, grad_bias
+
+
+@_conv1_relu_pool_backward_op.register_fake
+def _(x, grad, code):
+    return _weight_grads(x, grad)
+
+
+def _save_images_and_code(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0], output[1])
+
+
+_conv1_relu_pool_op.register_autograd(
+    lambda ctx, grad, _code: (None, *_conv1_relu_pool_backward_op(*ctx.saved_tensors[:1], grad, ctx.saved_tensors[1])),
+    setup_context=_save_images_and_code)
 
 
 def covers_first_conv(x: torch.Tensor, conv: torch.nn.Module) -> bool:
     """Whether `first_conv` takes x and conv: one-channel contiguous CPU images that need no gradient, a 5x5
-    Conv2d with bias, stride 1, no padding, whose weight's (out, 5, 5) elements lie row-major (the standard and the
-    channels_last layout alike, with one input channel), and outputs at least a vector wide."""
+    Conv2d with bias, stride 1, no padding, whose weight's (out, 5, 5) elements lie row-major, and outputs at
+    least a vector wide."""
     if not (isinstance(conv, torch.nn.Conv2d) and conv.in_channels == 1 and conv.kernel_size == (5, 5)
             and conv.stride == (1, 1) and conv.padding == (0, 0) and conv.dilation == (1, 1) and conv.groups == 1
             and conv.bias is not None and conv.padding_mode == "zeros"):
@@ -409,32 +383,7 @@ def first_conv(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
     for anything else."""
     if not covers_first_conv(x, conv):
         return conv(x)
-    return _FirstConv.apply(x, conv.weight, conv.bias)
-
-
-class _FirstConvReluPool(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        n, _, h, w = x.shape
-        outs = weight.shape[0]
-        out = torch.empty(n, outs, (h - 4) // 2, (w - 4) // 2, dtype=x.dtype, memory_format=torch.channels_last)
-        code = torch.empty_like(out, dtype=torch.uint8)
-        ctx.kernel = "conv1_relu_pool_nhwc" + ("_wide" if wide and outs % WIDE_LANES[x.dtype] == 0 else "")
-        _call(ctx.kernel, x.dtype, x, weight, bias, out, code, n, h, w, outs)
-        ctx.save_for_backward(x, code)
-        ctx.weight_shape = weight.shape
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, code = ctx.saved_tensors
-        grad = grad.contiguous(memory_format=torch.channels_last)
-        n, _, h, w = x.shape
-        grad_weight = grad.new_empty(ctx.weight_shape)
-        grad_bias = grad.new_empty(ctx.weight_shape[0])
-        name = "conv1_relu_pool_nhwc_backward" + ("_wide" if ctx.kernel.endswith("_wide") else "")
-        _call(name, x.dtype, x, grad, code, grad_weight, grad_bias, n, h, w, ctx.weight_shape[0])
-        return None, grad_weight, grad_bias
+    return _conv1_op(x, conv.weight, conv.bias)
 
 
 def covers_first_conv_pool(x: torch.Tensor, conv: torch.nn.Module) -> bool:
@@ -449,8 +398,8 @@ def first_conv_relu_pool(x: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor
     (`covers_first_conv_pool`), in one kernel: the convolution's outputs are pooled in registers. PyTorch's ops
     (with the same channels_last output) for anything else."""
     if not covers_first_conv_pool(x, conv):
-        return F.max_pool2d(torch.relu(conv(x)), 2).contiguous(memory_format=torch.channels_last)
-    return _FirstConvReluPool.apply(x, conv.weight, conv.bias)
+        return torch.nn.functional.max_pool2d(torch.relu(conv(x)), 2).contiguous(memory_format=torch.channels_last)
+    return _conv1_relu_pool_op(x, conv.weight, conv.bias)[0]
 
 
 def covers_batch_norm(x: torch.Tensor, bn: torch.nn.Module) -> bool:
@@ -468,10 +417,15 @@ def batch_norm_relu_pool(x: torch.Tensor, bn: torch.nn.BatchNorm2d) -> torch.Ten
     double), bn's running statistics updated in place as BatchNorm2d does, gradients for x, weight and bias.
     PyTorch's modules for anything else."""
     if not covers_batch_norm(x, bn):
-        return F.max_pool2d(torch.relu(bn(x)), 2)
+        return torch.nn.functional.max_pool2d(torch.relu(bn(x)), 2)
     if bn.num_batches_tracked is not None:  # pfedkit's FlatModel drops it; a plain module counts as BatchNorm2d does
         bn.num_batches_tracked.add_(1)
-    return _BatchNormReluPool.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.momentum, bn.eps)
+    out, *_, running_mean, running_var = _bn_relu_pool_op(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                                          bn.momentum, bn.eps)
+    with torch.no_grad():
+        bn.running_mean.copy_(running_mean)
+        bn.running_var.copy_(running_var)
+    return out
 
 
 STEP_PARAMS = ("conv1.weight", "conv1.bias", "bn1.weight", "bn1.bias", "conv2.weight", "conv2.bias", "bn2.weight",

@@ -1,6 +1,7 @@
 /* The CNNs' BatchNorm + ReLU + 2x2 max pooling (stride 2) on a CPU, forward and backward, for contiguous
- * (N, C, H, W) float32/float64 tensors with H and W even. pfedkit/models/native.py compiles this file with the
- * host's C compiler and calls it through ctypes (which releases the GIL, so clients side by side use their cores).
+ * (N, C, H, W) float32/float64 tensors with H and W even. The package's build (setup.py) compiles this file once per
+ * CPU capability; pfedkit/runtime/native.py loads the build PyTorch's capability check picks and calls it through
+ * ctypes (which releases the GIL, so clients side by side use their cores), registered as torch.library ops.
  *
  * relu_pool: F.max_pool2d(torch.relu(z), 2) and its gradient, bit for bit. bn_relu_pool: the same after a
  * training-mode BatchNorm2d (batch statistics, running statistics updated in place), its gradient with respect to
@@ -14,8 +15,8 @@
  * > 0 or NaN. Comparing each row's pair first and then the two pair winners the same way gives the same element.
  * `code` records it per output: 0..3 (row-major in the window), 4 when no gradient flows.
  *
- * Written with GCC/Clang vector extensions (8 float or 4 double lanes, 32 bytes): with -march=native they become
- * AVX/AVX-512 instructions, elsewhere the compiler splits them. No branch depends on the data: the window
+ * Written with GCC/Clang vector extensions (8 float or 4 double lanes, 32 bytes): the AVX2 and AVX512 builds make
+ * them AVX/AVX-512 instructions, the portable DEFAULT build splits them into SSE2 pairs. No branch depends on the data: the window
  * winners are random, and mispredicted branches made a scalar version many times slower. */
 #include <math.h>
 #include <stdint.h>

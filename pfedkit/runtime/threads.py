@@ -1,0 +1,113 @@
+"""Clients side by side in threads of this process, each on one intra-op thread (PyTorch's ops release the GIL, so
+the threads run on separate cores), and the rule that makes a client's arithmetic independent of its neighbours:
+on a CPU every client's ops run on one thread, alone or not."""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, TypeVar
+
+import torch
+
+from ..config import RuntimeConfig
+from ..models import FlatModel
+
+T = TypeVar("T")
+
+
+def on_one_thread(fn: Callable[..., T], *args) -> T:
+    """fn(*args) with PyTorch's intra-op work on this thread alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def in_threads(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
+    """The tasks' results in order, `workers` at a time (this thread one of them), each worker on one intra-op
+    thread (the ops release the GIL, so the threads run on separate cores) and under the caller's grad mode; a
+    task's error is re-raised here once the workers have stopped. Where no thread can be started (a thread limit,
+    memory) the workers there are do it all: each task runs on one thread either way, so the results are the same.
+    workers <= 1: in this thread."""
+    if workers <= 1 or len(tasks) <= 1:
+        return [task() for task in tasks]
+    grad_mode = torch.is_grad_enabled()  # thread-local: a new thread would run with autograd on
+    results: list = [None] * len(tasks)
+    errors: list[BaseException] = []
+    order, lock = iter(range(len(tasks))), threading.Lock()
+
+    def work() -> None:
+        torch.set_num_threads(1)  # this worker thread's ops only
+        with torch.set_grad_enabled(grad_mode):  # e.g. predict's no_grad: without it the chunks built graphs
+            while not errors:
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = tasks[i]()
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                    errors.append(exc)
+    threads = torch.get_num_threads()
+    started = []
+    try:
+        for _ in range(workers - 1):
+            helper = threading.Thread(target=work, daemon=True)
+            started.append(helper)  # before start: a Ctrl-C inside start() leaves a running thread to join
+            try:
+                helper.start()
+            except RuntimeError:  # "can't start new thread"
+                started.pop()
+                break
+        work()
+    except BaseException as exc:  # noqa: BLE001 - e.g. Ctrl-C between tasks: the helpers stop after their own
+        errors.append(exc)
+    finally:
+        for helper in started:
+            _join(helper, errors)
+        torch.set_num_threads(threads)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _join(thread: threading.Thread, errors: list[BaseException]) -> None:
+    """Wait for a worker thread even through Ctrl-C (kept in `errors`, which stops the workers after their current
+    task): a thread still inside a PyTorch op while the interpreter exits aborts the process ("terminate called
+    without an active exception", exit -6 instead of Ctrl-C's 130)."""
+    while thread.is_alive():
+        try:
+            thread.join()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by in_threads once every worker has stopped
+            errors.append(exc)
+
+
+def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int) -> int:
+    """How many clients run side by side (`runtime.workers`; 0: as many as PyTorch's CPU threads). A small CNN's
+    step at batch 32 runs about as fast on one core as on two, so two clients on one core each beat one client on
+    two (benchmarks/bench_cnn_clients.py; the figures: docs/performance.md)."""
+    n = runtime.workers or (torch.get_num_threads() if model.device.type == "cpu" else 1)
+    return max(1, min(n, clients))
+
+
+def side_by_side(models: list[FlatModel], count: int, fn: Callable[[FlatModel, int], None]) -> None:
+    """fn(model, i) for i in range(count), one worker per model of `models` (replicas of one module: `in_threads`),
+    each worker on a model of its own. A client's result depends neither on which worker ran it nor on the order:
+    its batches come from its own generator and, on a CPU, its ops run on one thread even when it runs alone (with
+    more threads a convolution splits its reductions differently: a Flower ClientApp's lone client would round
+    otherwise than the same client beside others)."""
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for own in models:
+        free.put(own)
+
+    def task(i: int) -> None:
+        mine = free.get()
+        try:
+            on_one_thread(fn, mine, i) if mine.device.type == "cpu" else fn(mine, i)
+        finally:
+            free.put(mine)
+    in_threads(len(models), [lambda i=i: task(i) for i in range(count)])
+
+
