@@ -15,7 +15,7 @@ import torch
 from .config import LocalConfig, RuntimeConfig
 from .data import ClientData, FederatedData
 from .errors import DataError
-from .local import PLAIN, Objective, batch_indices, clip_coefficient, seeded_generator  # noqa: F401 (the algorithms' names)
+from .local import PLAIN, Objective, batch_indices, seeded_generator  # noqa: F401 (the algorithms' names)
 from .models import FlatModel
 from .runtime import processes
 from .runtime.lockstep import BatchedLoss, batch_plan, batched_sgd

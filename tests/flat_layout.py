@@ -17,17 +17,12 @@ def flat_state(net: nn.Module) -> torch.Tensor:
     return torch.cat([flat_params(net)] + [b.flatten() for n, b in net.named_buffers() if "num_batches" not in n])
 
 
-def tensor_of(part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """A vector segment as the tensor of `shape`."""
-    return part.reshape(shape)
-
-
 def load_params(vector: torch.Tensor, net: nn.Module) -> None:
     """The inverse of flat_params: the vector's leading entries into the module's parameters."""
     at = 0
     with torch.no_grad():
         for p in net.parameters():
-            p.copy_(tensor_of(vector[at: at + p.numel()], p.shape))
+            p.copy_(vector[at: at + p.numel()].view_as(p))
             at += p.numel()
 
 

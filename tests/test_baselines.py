@@ -13,7 +13,7 @@ from pfedkit.engine import Run
 from pfedkit.experiment import prepare
 from pfedkit.models import FlatModel, build_model
 from pfedkit.train import seeded_generator
-from flat_layout import flat_params, flat_state, load_params, tensor_of  # noqa: E402
+from flat_layout import flat_params, flat_state, load_params  # noqa: E402
 
 SYNTH = ["dataset.name=synthetic", "partition.scheme=natural", "partition.num_clients=8", "model.name=dnn",
          "model.hidden=20", "dataset.synthetic.size_factor=1", "local.batch_size=20", "local.steps=6",
@@ -159,7 +159,7 @@ def plain_loss(cfg, data, dtype=torch.float64):
     def f(params, x, y):
         tensors, at = {}, 0
         for name, shape, k in shapes:
-            tensors[name] = tensor_of(params[at: at + k], shape)
+            tensors[name] = params[at: at + k].reshape(shape)
             at += k
         return torch.nn.functional.cross_entropy(torch.func.functional_call(net, tensors, (x.to(dtype),)), y)
     return f

@@ -185,20 +185,21 @@ def _(z):
     return _pooled(z, _layout(z))
 
 
+def _unpooled(grad: Tensor, code: Tensor) -> Tensor:
+    n, c, h, w = code.shape
+    return torch.empty(n, c, 2 * h, 2 * w, dtype=grad.dtype, device=grad.device, memory_format=_layout(code))
+
+
 @torch.library.custom_op("pfedkit::relu_pool_backward", mutates_args=())
 def _relu_pool_backward_op(grad: Tensor, code: Tensor) -> Tensor:
     layout = _layout(code)
-    n, c, h, w = code.shape
-    grad_in = torch.empty(n, c, 2 * h, 2 * w, dtype=grad.dtype, memory_format=layout)  # every element written
+    grad_in = _unpooled(grad, code)  # every element written
     name = "relu_pool_backward" if layout == torch.contiguous_format else "relu_pool_nhwc_backward"
     _call(name, grad.dtype, grad.contiguous(memory_format=layout), code, grad_in, *grad_in.shape)
     return grad_in
 
 
-@_relu_pool_backward_op.register_fake
-def _(grad, code):
-    n, c, h, w = code.shape
-    return torch.empty(n, c, 2 * h, 2 * w, dtype=grad.dtype, device=grad.device, memory_format=_layout(code))
+_relu_pool_backward_op.register_fake(_unpooled)
 
 
 def _save_code(ctx, inputs, output) -> None:
