@@ -102,8 +102,9 @@ class LocalConfig:
 class RuntimeConfig:
     """How the clients run, never what they compute: a client's arithmetic is the same whichever way it runs
     (tests/test_one_arithmetic.py), so a resumed run may change any key here."""
-    # torch intra-op threads for the server's work; 0 = leave PyTorch's default. Bounded: OpenMP crashes (a segfault
-    # in libgomp) when asked for 100,000, and more threads than a machine has cores only slow it down
+    # torch intra-op threads (0 = leave PyTorch's default): the default count of side-by-side clients and evaluation
+    # chunks; a run's own work runs on one thread whatever it is (Run.run). Bounded: OpenMP crashes (a segfault in
+    # libgomp) when asked for 100,000, and more threads than a machine has cores only slow it down
     threads: int = at_least(0, 0, high=1024)
     # clients trained side by side, each on one core (the per-client path: the CNNs on a CPU): 0 = auto (as many as
     # PyTorch's CPU threads on a CPU, else 1), 1 = one client after another
@@ -114,6 +115,10 @@ class RuntimeConfig:
     # lockstep training on a GPU: each step one replay of a captured CUDA graph (cuda_graphs.py; same kernels,
     # launched at once) rather than dozens of small kernel launches from Python
     cuda_graphs: bool = True
+    # the runs of an experiment (seeds x algorithms, a reproduction's column) side by side in one process, their
+    # clients' work on one pool of workers (runtime/batch_runs.py): the same results, the cores busy to the end; on
+    # a CPU with two or more cores (elsewhere, and with false, one after another)
+    batch_runs: bool = True
 
 
 # keys of earlier pfedkit versions, read (in files and --set) under their present names

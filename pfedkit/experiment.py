@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
 import torch
+from tqdm.auto import tqdm
 
 from .config import Config, dump_config, load_config
 from .data import FederatedData, build_federated
 from .engine import Observer, Run, atomic_write
+from .engine.run import ProgressBar
+from .runtime import batch_runs
 from .engine import folder as run_folder
 from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from .report.plots import plot_comparison, plot_run, plot_seed_comparison
@@ -143,7 +148,7 @@ def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None,
         data = data or prepare(cfg)
         runs = build_runs(cfg, data, out, runtime, log)
         with claim():
-            return _run_algorithms(cfg, out, resume, data, log, stop_after, runs)
+            return _run_folders([Folder(cfg, out, resume, data, runs)], log, stop_after)
     first = prepare(cfg.with_seed(seeds[0]))  # fail on bad input before writing anything
     runs = build_runs(cfg.with_seed(seeds[0]), first, out / f"seed{seeds[0]}", runtime, log)
     for seed in seeds[1:]:  # each seed draws its own partition, which may refuse: check it now, keep only one
@@ -157,12 +162,16 @@ def _run_seed_list(cfg: Config, out: Path, resume: bool, first: FederatedData, l
     seeds = cfg.seed_list()
     if not resume:
         atomic_write(out / "config.yaml", dump_config(cfg).encode())
-    summaries = []
-    for i, seed in enumerate(seeds):
+
+    def folder(i: int, seed: int) -> Folder:
         one, seed_dir = cfg.with_seed(seed), out / f"seed{seed}"
         seed_data = first if i == 0 else prepare(one)
-        summaries += _run_algorithms(one, seed_dir, resume and seed_dir.is_dir(), seed_data, log, stop_after,
-                                     runs if i == 0 else build_runs(one, seed_data, seed_dir, runtime, log))
+        return Folder(one, seed_dir, resume and seed_dir.is_dir(), seed_data,
+                      runs if i == 0 else build_runs(one, seed_data, seed_dir, runtime, log))
+    if _batched(cfg, runs * len(seeds)):  # every seed's runs at once (each seed's data shared by its runs)
+        summaries = _run_folders([folder(i, seed) for i, seed in enumerate(seeds)], log, stop_after)
+    else:  # one seed's runs in memory at a time
+        summaries = [s for i, seed in enumerate(seeds) for s in _run_folders([folder(i, seed)], log, stop_after)]
     seed_dirs = [out / f"seed{s}" for s in seeds]
     table = write_seed_comparison(out, seed_dirs, cfg.algorithms(),
                                   f"# Comparison over seeds {cfg.seeds} on {first.summary()}")
@@ -172,35 +181,111 @@ def _run_seed_list(cfg: Config, out: Path, resume: bool, first: FederatedData, l
     return summaries
 
 
-def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, log: Callable[[str], None],
-                    stop_after: int | None, runs: list[Run]) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        run_folder.mark(out)
-        atomic_write(out / "config.yaml", dump_config(cfg).encode())
-    log(data.summary())
-    for warning in data.warnings:
+@dataclasses.dataclass
+class Folder:
+    """One seed's experiment folder: its config, where it goes, whether it resumes, its data and its runs."""
+    cfg: Config
+    out: Path
+    resume: bool
+    data: FederatedData
+    runs: list[Run]
+
+
+def _batched(cfg: Config, runs: list[Run]) -> bool:
+    """Whether these runs go side by side (`runtime.batch_runs`, where batch_runs.pays): runs in process only (a
+    Flower deployment's runs keep their own clients), with observers that may be called side by side."""
+    runners = [getattr(r.clients, "runner", None) for r in runs]
+    return (cfg.runtime.batch_runs and all(runners) and batch_runs.pays(runners)
+            and all(o.side_by_side for r in runs for o in r.observers))
+
+
+def _run_folders(folders: list[Folder], log: Callable[[str], None], stop_after: int | None) -> list[dict]:
+    """Every folder's runs, side by side (`_batched`) or one after another, then each folder's comparison; runs that
+    finished (or failed) before a resume are left as they are."""
+    todo = []  # (folder, name, run, resumes from its checkpoint)
+    for f in folders:
+        _open_folder(f, log)
+        for name, run in zip(f.cfg.algorithms(), f.runs):
+            run_dir = f.out / name
+            if f.resume and ((run_dir / "summary.json").is_file() or (run_dir / FAILED_FILE).is_file()):
+                continue
+            todo.append((f, name, run, f.resume and (run_dir / "checkpoint.pt").is_file()))
+    runs = [(run, again) for _, _, run, again in todo]
+    results = _side_by_side(runs, log, stop_after) if _batched(folders[0].cfg, [r for r, _ in runs]) else None
+    if results is None:
+        for f in folders:
+            if f.runs and hasattr(f.runs[0].clients, "runner"):  # in process: the way the clients train, said once
+                log(f.runs[0].clients.runner.describe())
+        results = _one_after_another(runs, stop_after)
+    summaries = []
+    for (f, name, run, _), result in zip(todo, results):
+        if isinstance(result, UpdateError):  # e.g. a study's largest step size diverges: Run recorded it
+            log(f"{name}: {result}")
+        elif isinstance(result, BaseException):
+            raise result
+        elif result is not None:
+            summaries.append(result)
+            if f.cfg.plots:
+                plot_run(f.out / name)
+    if len(results) < len(todo) or any(r is None for r in results):
+        return summaries  # stopped early on request
+    for f in folders:
+        _close_folder(f, log)
+    return summaries
+
+
+def _side_by_side(runs: list[tuple[Run, bool]], log: Callable[[str], None], stop_after: int | None) -> list | None:
+    """The runs as one job (runtime/batch_runs.py), one progress bar for all; None where no thread could start."""
+    runners = [run.clients.runner for run, _ in runs]
+    bar = JobProgress(sum(run.cfg.rounds for run, _ in runs), runs[0][0].cfg.progress)
+    own = [run.observers for run, _ in runs]
+    for run, _ in runs:
+        run.observers = [o for o in run.observers if not isinstance(o, ProgressBar)] + [bar]
+    try:
+        results = batch_runs.together([functools.partial(_one_of, run, again, stop_after) for run, again in runs],
+                                      runners, lambda: log(batch_runs.describe(len(runs), runners)))
+    finally:
+        bar.end()
+    if results is None:
+        for (run, _), observers in zip(runs, own):
+            run.observers = observers
+    return results
+
+
+def _one_after_another(runs: list[tuple[Run, bool]], stop_after: int | None) -> list:
+    results = []
+    for run, again in runs:
+        results.append(_one_of(run, again, stop_after))
+        if results[-1] is None:  # stopped early on request: the others wait for the next call
+            break
+    return results
+
+
+def _one_of(run: Run, again: bool, stop_after: int | None) -> dict | UpdateError | None:
+    """One run to its end: its summary, the error that stopped it (recorded in its folder), or None (stopped early
+    on request); its training state let go once it finished."""
+    try:
+        summary = run.run(resume=again, stop_after=stop_after)
+    except UpdateError as exc:
+        return exc
+    if summary is not None:
+        run.release()  # a finished run's state out of memory while the others go on
+    return summary
+
+
+def _open_folder(f: Folder, log: Callable[[str], None]) -> None:
+    f.out.mkdir(parents=True, exist_ok=True)
+    if not f.resume:
+        run_folder.mark(f.out)
+        atomic_write(f.out / "config.yaml", dump_config(f.cfg).encode())
+    log(f.data.summary())
+    for warning in f.data.warnings:
         log(f"warning: {warning}")
-    if runs and hasattr(runs[0].clients, "runner"):  # in process: the way the clients train, said once
-        log(runs[0].clients.runner.describe())
-    run_dirs, summaries = [], []
-    for name, run in zip(cfg.algorithms(), runs):
-        run_dir = out / name
-        run_dirs.append(run_dir)
-        if resume and ((run_dir / "summary.json").is_file() or (run_dir / FAILED_FILE).is_file()):
-            continue
-        again = resume and (run_dir / "checkpoint.pt").is_file()
-        try:
-            summary = run.run(resume=again, stop_after=stop_after)
-        except UpdateError as exc:  # e.g. a study's largest step size diverges: Run recorded it; run the others
-            log(f"{name}: {exc}")
-            continue
-        if summary is None:  # stopped early on request
-            return summaries
-        summaries.append(summary)
-        run.release()  # one run's training state in memory at a time
-        if cfg.plots:
-            plot_run(run_dir)
+
+
+def _close_folder(f: Folder, log: Callable[[str], None]) -> None:
+    cfg, out, data = f.cfg, f.out, f.data
+    run_dirs = [out / name for name in cfg.algorithms()]
     header = f"# Comparison on {data.summary()}\n\nConfig: `{out / 'config.yaml'}`; seed {cfg.seed}, " \
              f"{cfg.rounds} rounds, {cfg.clients_per_round or data.num_clients} clients per round."
     table = write_comparison(out, run_dirs, header)
@@ -208,7 +293,27 @@ def _run_algorithms(cfg: Config, out: Path, resume: bool, data: FederatedData, l
         plot_comparison(out, run_dirs)
     log(table.read_text())
     log(f"wrote {out}/")
-    return summaries
+
+
+class JobProgress(Observer):
+    """One progress bar for a job's runs: rounds done over all of them."""
+    side_by_side = True
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = tqdm(total=total, desc="runs", disable=not enabled, unit="round", dynamic_ncols=True,
+                        mininterval=0.5)
+        self.lock = threading.Lock()
+
+    def start(self, run, resumed):
+        with self.lock:
+            self.bar.update(run.totals["round"])
+
+    def round_done(self, run, rnd, stats, row):
+        with self.lock:
+            self.bar.update(1)
+
+    def end(self) -> None:
+        self.bar.close()
 
 
 def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: dict | None = None,

@@ -124,7 +124,7 @@ class Cohort:
                     self.loss, starts[rows], d.x_train, d.y_train, *self.part(rows).plan(hp), hp, objective.part(rows),
                     self.runner.config.cuda_graphs))
                 trained[rows], losses[rows] = vectors, loss.double()
-            in_threads(self.workers(), [lambda rows=rows: lockstep(rows) for rows in self.lockstep_parts(hp)])
+            self.runner.parallel([lambda rows=rows: lockstep(rows) for rows in self.lockstep_parts(hp)], self.workers())
             return trained, losses
         placement = self.runner.placement if self.runner.may_fork(len(self.cids)) else None
         forked = placement is not None and placement.fork()

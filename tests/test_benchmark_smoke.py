@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
     ("bench_cnn_clients.py", ["--smoke", "--models", "cnn_bn", "--epochs", "1"], ["bare", "engine-1by1", "engine"]),
     ("bench_flbench.py", ["--smoke", "--algorithms", "fedavg"], ["fedavg"]),
     ("bench_gpu.py", ["--smoke", "--models", "lenet5"], ["bare", "engine-1by1", "engine-lockstep"]),
+    ("bench_batch_runs.py", ["--smoke"], ["one", "ratio"]),
 ])
 def test_benchmark_runs_in_smoke_mode(script, args, rows):
     done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)

@@ -111,9 +111,10 @@ class InProcessClients:
             off = torch.as_tensor(offsets, device=values.device)
             return (cum[off[1:]] - cum[off[:-1]]).cpu().numpy()
 
-        correct = per_client(predict(self.model, d.x_test, d.y_test)[0], d.test_offsets)
-        loss = per_client(predict(self.model, d.x_train, d.y_train)[1], d.train_offsets) if train_loss \
-            else np.zeros(d.num_clients)
+        chunks = self.runner.parallel  # the chunks side by side: the run's cores, or a job's workers
+        correct = per_client(predict(self.model, d.x_test, d.y_test, parallel=chunks)[0], d.test_offsets)
+        loss = per_client(predict(self.model, d.x_train, d.y_train, parallel=chunks)[1], d.train_offsets) \
+            if train_loss else np.zeros(d.num_clients)
         self._global = ((rnd, train_loss), vec, {"correct": np.rint(correct).astype(np.int64), "loss": loss})
         return self._global[2]
 

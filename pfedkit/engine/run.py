@@ -25,6 +25,7 @@ from ..errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from ..models import FlatModel, build_model
 from ..provenance import provenance
 from ..report.plots import row_problem
+from ..runtime.threads import on_one_thread
 from ..sampling import Sampler
 from .clients import InProcessClients
 from .files import ObservableLog, append_line, atomic_write, flatten_config, resumable, structure_mismatch
@@ -45,7 +46,13 @@ class Observer:
       evaluated one): it is then finished, with its checkpoint and summary.json (`stopped_at`, `stop_reason`);
     - `close(run)`: after the last round, also when the run stops on an error or an interrupt;
     - `finish(run, summary)`: with the summary of a finished run, before summary.json is written.
-    `run.cfg`, `run.out`, `run.metrics` (the rows so far) and `run.data` say what the run is."""
+    `run.cfg`, `run.out`, `run.metrics` (the rows so far) and `run.data` say what the run is.
+
+    Runs side by side (`runtime.batch_runs`) call their observers from threads of their own, interleaved: an
+    observer that keeps nothing shared between runs says so with `side_by_side = True`; one that does not makes the
+    experiment run its runs one after another."""
+
+    side_by_side = False
 
     def start(self, run: "Run", resumed: bool) -> None: ...
 
@@ -58,6 +65,8 @@ class Observer:
 
 class RunFiles(Observer):
     """config.yaml, partition.json, algorithm.json of a fresh run; the stale failure record of a folder removed."""
+
+    side_by_side = True  # touches its own run only
 
     def start(self, run, resumed):
         if resumed:
@@ -80,6 +89,8 @@ class MetricsFile(Observer):
     """metrics.jsonl: one JSON row per evaluation; a resumed run rewrites it from its checkpoint's rows (the file
     may hold rows written after the checkpoint)."""
 
+    side_by_side = True  # touches its own run only
+
     def start(self, run, resumed):
         run.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(run.metrics_path, "".join(json.dumps(r) + "\n" for r in run.metrics).encode())
@@ -91,6 +102,8 @@ class MetricsFile(Observer):
 
 class Observables(Observer):
     """The algorithm's arrays at each evaluation (pFedLA's weights), packed into <name>.npz at the end."""
+
+    side_by_side = True  # touches its own run only
 
     def start(self, run, resumed):
         if resumed:
@@ -109,6 +122,8 @@ class Observables(Observer):
 class Checkpoints(Observer):
     """checkpoint.pt every `checkpoint_every` rounds and at the end (atomically: a crash keeps the previous one)."""
 
+    side_by_side = True  # touches its own run only
+
     def round_done(self, run, rnd, stats, row):
         every = run.cfg.checkpoint_every
         if (every and rnd % every == 0) or rnd == run.cfg.rounds:
@@ -118,6 +133,8 @@ class Checkpoints(Observer):
 
 
 class ProgressBar(Observer):
+    side_by_side = True  # touches its own run only
+
     def start(self, run, resumed):
         cfg = run.cfg
         self.bar = tqdm(total=cfg.rounds, initial=run.totals["round"], desc=f"{cfg.algorithm:>10}",
@@ -253,7 +270,13 @@ class Run:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self, resume: bool = False, stop_after: int | None = None) -> dict | None:
-        """Train to `cfg.rounds` and write summary.json; `stop_after` ends early as an interrupted run would."""
+        """Train to `cfg.rounds` and write summary.json; `stop_after` ends early as an interrupted run would.
+        The run's own work (server, sampler, evaluation) runs on one intra-op thread, its clients' work on the
+        runner's workers, each on one thread too: so its numbers depend neither on the machine's core count
+        (`runtime.threads`) nor on the runs that share the process with it (runtime/batch_runs.py)."""
+        return on_one_thread(self._run, resume, stop_after)
+
+    def _run(self, resume: bool, stop_after: int | None) -> dict | None:
         if resume:
             if not self.ckpt_path.is_file():
                 raise PfedkitError(f"cannot resume: {self.ckpt_path} does not exist")

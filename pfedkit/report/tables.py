@@ -34,8 +34,9 @@ def comparison_markdown(summaries: list[dict], header: str = "") -> str:
               "all clients at the final round (± std over clients); last-5 mean: the mean of the last 5 evaluations; "
               "worst decile: 10th percentile over clients. Global: the global model on every client's test split (mean over "
               "clients; micro: all test samples pooled, as pFedMe's code reports). "
-              "MB: tensors that crossed the wire, all rounds. Majority label: each client always predicts its most "
-              "frequent training label.", ""]
+              "MB: tensors that crossed the wire, all rounds. Seconds: the run's wall time (runs side by side, "
+              "runtime.batch_runs, overlap: their sum is not the job's). Majority label: each client always predicts "
+              "its most frequent training label.", ""]
     return "\n".join(lines)
 
 

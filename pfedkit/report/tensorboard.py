@@ -35,21 +35,24 @@ class TensorBoard(Observer):
     """One event log per run, in the run's folder. A resumed run continues its log: the steps written after the
     checkpoint it resumes from are dropped (purged), as metrics.jsonl drops them."""
 
+    side_by_side = True  # a writer per run
+
     def __init__(self) -> None:
         require_tensorboard()
-        self.writer = None
+        self.writers: dict[int, object] = {}
 
     def start(self, run, resumed):
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(str(run.out / FOLDER), purge_step=run.totals["round"] + 1 if resumed else None)
+        self.writers[id(run)] = SummaryWriter(str(run.out / FOLDER),
+                                              purge_step=run.totals["round"] + 1 if resumed else None)
 
     def round_done(self, run, rnd, stats, row):
         if row is None:
             return
         for tag, value in scalars(row).items():
-            self.writer.add_scalar(tag, value, rnd)
+            self.writers[id(run)].add_scalar(tag, value, rnd)
 
     def close(self, run):
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        writer = self.writers.pop(id(run), None)
+        if writer is not None:
+            writer.close()

@@ -4,6 +4,8 @@ vector op on the flat vectors), gradients at given parameters, and evaluation. A
 they cover it (runtime/cnn.py), its whole local SGD as one C call where the model has that step."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -105,11 +107,12 @@ PREDICT_CHUNK = 256  # samples per forward: faster than large chunks, which spil
 
 
 @torch.no_grad()
-def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor,
-            chunk: int = PREDICT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = PREDICT_CHUNK,
+            parallel: Callable[[list], list] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample 0/1 correctness and cross-entropy of the model's current vector (eval mode: BN uses running
     statistics). On a CPU the chunks run side by side, one per thread (an eval-mode forward only reads the
-    module, so the threads share it), faster than one chunk at a time on all threads."""
+    module, so the threads share it), faster than one chunk at a time on all threads; `parallel(tasks)` runs them
+    (a ClientRunner's: the run's cores or a job's workers), else threads of PyTorch's count."""
     model.module.eval()
     forward = forward_of(model.module)
 
@@ -117,8 +120,11 @@ def predict(model: FlatModel, x: torch.Tensor, y: torch.Tensor,
         out = forward(x[i: i + chunk])
         return out.argmax(1) == y[i: i + chunk], F.cross_entropy(out, y[i: i + chunk], reduction="none")
     starts = range(0, len(y), chunk)
-    workers = torch.get_num_threads() if x.device.type == "cpu" else 1
-    parts = in_threads(min(workers, len(starts)), [lambda i=i: part(i) for i in starts])
+    tasks = [lambda i=i: part(i) for i in starts]
+    if parallel is not None and x.device.type == "cpu":
+        parts = parallel(tasks)
+    else:
+        parts = in_threads(min(torch.get_num_threads() if x.device.type == "cpu" else 1, len(starts)), tasks)
     if not parts:
         empty = torch.zeros(0, device=x.device)
         return empty.bool(), empty

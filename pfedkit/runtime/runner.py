@@ -3,13 +3,17 @@ the device, and said in one line (`describe`); it owns what the executors keep b
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, TypeVar
+
+import torch
 
 from ..config import RuntimeConfig
 from ..models import FlatModel
 from . import native, processes
 from .lockstep import BatchedLoss
-from .threads import side_by_side, worker_count
+from .threads import WorkerPool, in_threads, side_by_side, worker_count
+
+T = TypeVar("T")
 
 
 class ClientRunner:
@@ -21,6 +25,8 @@ class ClientRunner:
 
     def __init__(self, model: FlatModel, config: RuntimeConfig | None = None):
         self.model, self.config = model, config or RuntimeConfig()
+        self.cores = torch.get_num_threads()  # the run's own work goes on one thread (Run.run): counted here, before
+        self.pool: WorkerPool | None = None  # a job's workers shared with the runs beside this one (batch_runs.py)
         self.placement = processes.Placement()  # forked or threads for the training calls, by their measured time
         self._replicas: list[FlatModel] = []
         self._loss: BatchedLoss | None = None
@@ -45,7 +51,16 @@ class ClientRunner:
         return self.model.device.type == "cuda" or all(p.dim() <= 2 for p in module.parameters())
 
     def workers(self, clients: int) -> int:
-        return worker_count(self.model, self.config, clients)
+        if self.pool is not None:
+            return min(self.pool.workers, max(1, clients))
+        return worker_count(self.model, self.config, clients, self.cores)
+
+    def parallel(self, tasks: list[Callable[[], T]], workers: int | None = None) -> list[T]:
+        """The tasks' results in order, on the job's workers or `workers` threads (default: `workers(len(tasks))`),
+        each on one intra-op thread."""
+        if self.pool is not None:
+            return self.pool.map(tasks)
+        return in_threads(self.workers(len(tasks)) if workers is None else workers, tasks)
 
     def replicas(self, n: int) -> list[FlatModel]:
         """n models for side-by-side workers: the run's own, then copies of its module made once and kept."""
@@ -55,26 +70,27 @@ class ClientRunner:
 
     def side_by_side(self, count: int, fn: Callable[[FlatModel, int], None]) -> None:
         """fn(model, i) for i in range(count), `workers(count)` of them at a time (`side_by_side`)."""
-        side_by_side(self.replicas(self.workers(count)), count, fn)
+        side_by_side(self.replicas(self.workers(count)), count, fn, self.pool)
 
     def may_fork(self, clients: int) -> bool:
         """Whether training calls may run side-by-side clients in forked processes (`runtime.workers_in`): on a
         Linux CPU, two or more at once; they do where that measures faster (`placement`). Each client runs on one
         thread either way, so the results are the same."""
-        return (self.config.workers_in == "processes" and self.workers(clients) > 1
+        return (self.config.workers_in == "processes" and self.pool is None and self.workers(clients) > 1
                 and self.model.device.type == "cpu" and processes.available())
 
-    def describe(self) -> str:
-        """The way this run's clients train, in one line."""
+    def describe(self, shared: int = 0) -> str:
+        """The way this run's clients train, in one line; `shared`: on that many workers of a job (batch_runs.py)."""
         device, c = self.model.device, self.config
         if self.batched_form:
             if device.type == "cuda":
                 steps = "each step one CUDA graph replay" if c.cuda_graphs else "eager steps (runtime.cuda_graphs)"
                 return f"clients: on {device}, a round's clients in lockstep through the model's batched form, {steps}"
             return ("clients: on the CPU through the model's batched form, each client on one thread, a round's "
-                    "clients in one lockstep where most of them are busy in most steps")
-        n = worker_count(self.model, c, 1 << 20)
-        how = ("one after another" if n == 1 else
+                    "clients in one lockstep where most of them are busy in most steps"
+                    + (f", the locksteps on {shared} workers shared by the runs" if shared else ""))
+        n = worker_count(self.model, c, 1 << 20, self.cores)
+        how = (f"{shared} workers shared by the runs" if shared else "one after another" if n == 1 else
                f"{n} side by side, in forked processes or threads, whichever measures faster" if self.may_fork(n) else
                f"{n} side by side in threads")
         kernels = ""

@@ -3,6 +3,7 @@ the threads run on separate cores), and the rule that makes a client's arithmeti
 on a CPU every client's ops run on one thread, alone or not."""
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 from typing import Callable, TypeVar
@@ -84,20 +85,79 @@ def _join(thread: threading.Thread, errors: list[BaseException]) -> None:
             errors.append(exc)
 
 
-def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int) -> int:
-    """How many clients run side by side (`runtime.workers`; 0: as many as PyTorch's CPU threads). A small CNN's
-    step at batch 32 runs about as fast on one core as on two, so two clients on one core each beat one client on
-    two (benchmarks/bench_cnn_clients.py; the figures: docs/performance.md)."""
-    n = runtime.workers or (torch.get_num_threads() if model.device.type == "cpu" else 1)
+class WorkerPool:
+    """Worker threads kept for a whole job, each on one intra-op thread, that run the tasks of several callers at
+    once (runs side by side: runtime/batch_runs.py): `map(tasks)` queues the caller's tasks behind the others' and
+    returns their results in order once all have run, re-raising the first error. A task runs under its caller's
+    grad mode; a task that maps tasks itself runs them in place (a worker never waits for the workers). It starts
+    the workers it can (RuntimeError if none: a process out of threads)."""
+
+    def __init__(self, workers: int):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._mine = threading.local()
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        for _ in range(max(1, workers)):
+            thread = threading.Thread(target=self._work, name="pfedkit-worker", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread": the workers there are do it all
+                break
+            self._threads.append(thread)
+        if not self._threads:
+            raise RuntimeError("can't start new thread")
+        self.workers = len(self._threads)
+
+    def _work(self) -> None:
+        torch.set_num_threads(1)
+        self._mine.worker = True
+        while (item := self._queue.get()) is not None:
+            task, grad_mode, future = item
+            if self._closed:
+                future.set_exception(RuntimeError("the job's workers stopped"))
+                continue
+            try:
+                with torch.set_grad_enabled(grad_mode):
+                    future.set_result(task())
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                future.set_exception(exc)
+
+    def map(self, tasks: list[Callable[[], T]]) -> list[T]:
+        if getattr(self._mine, "worker", False):
+            return [task() for task in tasks]
+        if self._closed:
+            raise RuntimeError("the job's workers stopped")
+        futures = [concurrent.futures.Future() for _ in tasks]
+        for task, future in zip(tasks, futures):
+            self._queue.put((task, torch.is_grad_enabled(), future))
+        concurrent.futures.wait(futures)  # all of them, also after an error: none may still hold a model after
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        """Stop: the queued tasks fail, the running ones finish, a later `map` raises RuntimeError."""
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            _join(thread, [])
+
+
+def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int, cores: int | None = None) -> int:
+    """How many clients run side by side (`runtime.workers`; 0: as many as PyTorch's CPU threads, `cores`). A small
+    CNN's step at batch 32 runs about as fast on one core as on two, so two clients on one core each beat one client
+    on two (benchmarks/bench_cnn_clients.py; the figures: docs/performance.md)."""
+    n = runtime.workers or ((cores or torch.get_num_threads()) if model.device.type == "cpu" else 1)
     return max(1, min(n, clients))
 
 
-def side_by_side(models: list[FlatModel], count: int, fn: Callable[[FlatModel, int], None]) -> None:
+def side_by_side(models: list[FlatModel], count: int, fn: Callable[[FlatModel, int], None],
+                 pool: WorkerPool | None = None) -> None:
     """fn(model, i) for i in range(count), one worker per model of `models` (replicas of one module: `in_threads`),
     each worker on a model of its own. A client's result depends neither on which worker ran it nor on the order:
     its batches come from its own generator and, on a CPU, its ops run on one thread even when it runs alone (with
     more threads a convolution splits its reductions differently: a Flower ClientApp's lone client would round
-    otherwise than the same client beside others)."""
+    otherwise than the same client beside others). `pool`: a job's shared workers run the tasks (at most
+    len(models) of them at once, one per model) instead of threads of this call."""
     free: queue.SimpleQueue = queue.SimpleQueue()
     for own in models:
         free.put(own)
@@ -108,6 +168,7 @@ def side_by_side(models: list[FlatModel], count: int, fn: Callable[[FlatModel, i
             on_one_thread(fn, mine, i) if mine.device.type == "cpu" else fn(mine, i)
         finally:
             free.put(mine)
-    in_threads(len(models), [lambda i=i: task(i) for i in range(count)])
+    tasks = [lambda i=i: task(i) for i in range(count)]
+    pool.map(tasks) if pool is not None else in_threads(len(models), tasks)
 
 

@@ -1,0 +1,85 @@
+"""Runs side by side as one job (`runtime.batch_runs`): the runs of an experiment (its seeds x algorithms, a
+reproduction's column) in one process, each run's round loop in a thread of its own and every run's client work
+(training, solvers' gradients, evaluation) queued on one pool of workers shared by all. While one run's server
+aggregates or its evaluation waits, the workers train the other runs' clients, so the cores stay busy to the end of
+the job rather than idling through every run's serial parts and its last clients' tail.
+
+Nothing a run computes depends on the job: its own work runs on one intra-op thread (Run.run) and each client task
+on one thread of a worker, with the client's own seeded generators, as alone; its files, checkpoints and resume are
+its own (tests/test_batch_runs.py holds every algorithm to its metrics alone, and a job killed midway to the
+uninterrupted runs). On a GPU the runs go one after another: several threads launching kernels and capturing CUDA
+graphs on one device was never measured (docs/performance.md)."""
+from __future__ import annotations
+
+import threading
+from typing import Callable, TypeVar
+
+from .runner import ClientRunner
+from .threads import WorkerPool
+
+T = TypeVar("T")
+
+
+def pays(runners: list[ClientRunner]) -> bool:
+    """Whether runs with these runners gain from running side by side: two or more of them, on a CPU with two or
+    more cores (one core: nothing to overlap)."""
+    return len(runners) > 1 and all(r.model.device.type == "cpu" for r in runners) and runners[0].cores > 1
+
+
+def describe(runs: int, runners: list[ClientRunner]) -> str:
+    """The job's way, in one line: the runs side by side, and how their clients train (ClientRunner.describe)."""
+    clients = runners[0].describe(shared=workers(runners)).removeprefix("clients: ")
+    return f"runs: {runs} side by side in one process (runtime.batch_runs); clients: {clients}"
+
+
+def workers(runners: list[ClientRunner]) -> int:
+    first = runners[0]
+    return first.config.workers or first.cores
+
+
+def together(jobs: list[Callable[[], T]], runners: list[ClientRunner],
+             began: Callable[[], None] = lambda: None) -> list[T | BaseException] | None:
+    """Every job (a run's whole loop) in a thread of its own, their runners' client work on one WorkerPool; the
+    results in order, a job's error in its place. None where not even the pool's first worker can start (a process
+    out of threads: the caller runs the jobs one after another), else `began()` is called before the first job; a job
+    whose thread cannot start runs in this one.
+    Ctrl-C stops the pool: each run's next client work raises, its loop closes as an interrupted run does (its last
+    checkpoint kept), and KeyboardInterrupt is raised here."""
+    try:
+        pool = WorkerPool(workers(runners))
+    except RuntimeError:
+        return None
+    began()
+    for runner in runners:
+        runner.pool = pool
+    results: list = [None] * len(jobs)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:  # noqa: BLE001 - returned in the job's place
+            results[i] = exc
+    started, interrupted = [], False
+    try:
+        for i in range(len(jobs)):
+            thread = threading.Thread(target=one, args=(i,), name=f"pfedkit-run-{i}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # out of threads: this one runs here, after those started
+                one(i)
+                continue
+            started.append(thread)
+        for thread in started:
+            while thread.is_alive():
+                try:
+                    thread.join()
+                except KeyboardInterrupt:
+                    interrupted = True
+                    pool.close()  # every run's next map raises: the loops end, their threads with them
+    finally:
+        pool.close()
+        for runner in runners:
+            runner.pool = None
+    if interrupted or any(isinstance(r, KeyboardInterrupt) for r in results):
+        raise KeyboardInterrupt
+    return results
