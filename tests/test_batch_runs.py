@@ -126,42 +126,51 @@ def test_an_observer_that_cannot_be_shared_keeps_the_runs_one_after_another(tmp_
     assert rec.calls == [(what, name) for name in ("local", "fedavg", "pfedme") for what in ("start", "close")]
 
 
-def test_a_job_killed_midway_resumes_to_the_uninterrupted_runs(tmp_path):
-    """`pfedkit run` of 3 algorithms x 2 seeds as one job, SIGKILLed once checkpoints are on disk and before the
-    end, resumed with `pfedkit run --resume`: every run's metrics equal those of the runs one after another."""
-    names, seeds = ("fedavg", "pfedla", "pfedme"), (0, 1)
-    args = ["--algorithms", ",".join(names), "--seeds", "0,1", "--set", "dataset.name=digits", "--set",
-            "model.name=mlr", "--set", "rounds=150", "--set", "checkpoint_every=10", "--set", "clients_per_round=4",
-            "--set", "progress=false", "--set", "plots=false", "--set", "pfedme.local_rounds=2"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    alone = subprocess.run([sys.executable, "-m", "pfedkit", "run", *args, "--set", "runtime.batch_runs=false",
-                            "--out", str(tmp_path / "alone")], capture_output=True, text=True, timeout=600, env=env)
-    assert alone.returncode == 0, alone.stderr
+KILL_NAMES, KILL_SEEDS = ("fedavg", "pfedla", "pfedme"), (0, 1)
+KILL_ARGS = ["--algorithms", ",".join(KILL_NAMES), "--seeds", "0,1", "--set", "dataset.name=digits", "--set",
+             "model.name=mlr", "--set", "rounds=150", "--set", "checkpoint_every=10", "--set", "clients_per_round=4",
+             "--set", "progress=false", "--set", "plots=false", "--set", "pfedme.local_rounds=2"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def runs_alone(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alone") / "alone"
+    done = subprocess.run([sys.executable, "-m", "pfedkit", "run", *KILL_ARGS, "--set", "runtime.batch_runs=false",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=ENV)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_a_job_stopped_midway_resumes_to_the_uninterrupted_runs(tmp_path, runs_alone, how):
+    """`pfedkit run` of 3 algorithms x 2 seeds as one job, killed (SIGKILL) or interrupted (Ctrl-C: exit 130, the
+    runs' checkpoints kept) once checkpoints are on disk and before the end, resumed with `pfedkit run --resume`:
+    every run's metrics equal those of the runs one after another."""
     cut = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "pfedkit", "run", *args, "--out", str(cut)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "pfedkit", "run", *KILL_ARGS, "--out", str(cut)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    checkpoints = [cut / f"seed{s}" / n / "checkpoint.pt" for s in seeds for n in names]
+    checkpoints = [cut / f"seed{s}" / n / "checkpoint.pt" for s in KILL_SEEDS for n in KILL_NAMES]
     deadline = time.time() + 600
     while not all(c.exists() for c in checkpoints) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.kill(proc.pid, how)
+    proc.wait(timeout=120)
     reader.join(timeout=10)
-    finished = [(cut / f"seed{s}" / n / "summary.json").exists() for s in seeds for n in names]
-    if all(finished):
-        pytest.skip("the job finished before it could be killed")
-    assert proc.returncode == -signal.SIGKILL
+    if all((cut / f"seed{s}" / n / "summary.json").exists() for s in KILL_SEEDS for n in KILL_NAMES):
+        pytest.skip("the job finished before it could be stopped")
+    assert proc.returncode == (-how if how == signal.SIGKILL else 128 + how), "".join(lines)[-2000:]
     assert any(line.startswith("runs: 6 side by side") for line in lines), "".join(lines)[-2000:]
     resumed = subprocess.run([sys.executable, "-m", "pfedkit", "run", "--resume", str(cut)], capture_output=True,
-                             text=True, timeout=600, env=env)
+                             text=True, timeout=600, env=ENV)
     assert resumed.returncode == 0, resumed.stderr
-    for s in seeds:
-        for n in names:
+    for s in KILL_SEEDS:
+        for n in KILL_NAMES:
             assert len(run_rows(cut / f"seed{s}" / n)) == 150
-            assert run_rows(cut / f"seed{s}" / n) == run_rows(tmp_path / "alone" / f"seed{s}" / n), (s, n)
+            assert run_rows(cut / f"seed{s}" / n) == run_rows(runs_alone / f"seed{s}" / n), (s, n)
 
 
 def test_a_pool_runs_every_callers_tasks_in_order_under_its_grad_mode_and_reraises_after_all():

@@ -59,7 +59,7 @@ def together(jobs: list[Callable[[], T]], runners: list[ClientRunner],
             results[i] = jobs[i]()
         except BaseException as exc:  # noqa: BLE001 - returned in the job's place
             results[i] = exc
-    started, interrupted = [], False
+    started, interrupt = [], None
     try:
         for i in range(len(jobs)):
             thread = threading.Thread(target=one, args=(i,), name=f"pfedkit-run-{i}", daemon=True)
@@ -73,13 +73,14 @@ def together(jobs: list[Callable[[], T]], runners: list[ClientRunner],
             while thread.is_alive():
                 try:
                     thread.join()
-                except KeyboardInterrupt:
-                    interrupted = True
+                except KeyboardInterrupt as exc:  # also pfedkit's SIGTERM (stopping.Stopped): raised as it came
+                    interrupt = exc
                     pool.close()  # every run's next map raises: the loops end, their threads with them
     finally:
         pool.close()
         for runner in runners:
             runner.pool = None
-    if interrupted or any(isinstance(r, KeyboardInterrupt) for r in results):
-        raise KeyboardInterrupt
+    interrupt = interrupt or next((r for r in results if isinstance(r, KeyboardInterrupt)), None)
+    if interrupt is not None:
+        raise interrupt
     return results
