@@ -30,7 +30,7 @@ DENSE = ["dataset.name=synthetic", "model.name=mlr", "partition.scheme=natural",
          "clustering.clusters=3", "local.batch_size=16", "local.lr=0.05", "clients_per_round=3",
          "pfedme.local_rounds=2", "pfedhn.inner_steps=2"]
 COMMON = ["pfedme.personal_lr=0.01", "pfedcs.personal_lr=0.01", "rounds=3", "local.epochs=1", "progress=false",
-          "plots=false", "checkpoint_every=1", "seeds=0,1"]
+          "plots=false", "checkpoint_every=1", "seeds=0,1", "runtime.threads=2"]  # 2: a job, whatever ran before
 
 
 def run_rows(folder):
@@ -64,7 +64,7 @@ def checkpoint_tensors(folder):
 def test_every_algorithm_gives_its_bits_alone_in_a_job(tmp_path, setting):
     """All algorithms x 2 seeds as one job and one after another: each run's metrics, summary and final server,
     client and sampler state are identical (torch.equal), and the job said it ran them side by side."""
-    sets = (CNN if setting == "cnn" else DENSE) + COMMON
+    sets = (CNN + COMMON + ["rounds=2"]) if setting == "cnn" else DENSE + COMMON
     said: dict[str, list[str]] = {"job": [], "alone": []}
     for how, extra in (("job", []), ("alone", ["runtime.batch_runs=false"])):
         cfg = load_config(None, sets + extra, ",".join(ALL))
@@ -128,7 +128,7 @@ def test_an_observer_that_cannot_be_shared_keeps_the_runs_one_after_another(tmp_
 
 KILL_NAMES, KILL_SEEDS = ("fedavg", "pfedla", "pfedme"), (0, 1)
 KILL_ARGS = ["--algorithms", ",".join(KILL_NAMES), "--seeds", "0,1", "--set", "dataset.name=digits", "--set",
-             "model.name=mlr", "--set", "rounds=150", "--set", "checkpoint_every=10", "--set", "clients_per_round=4",
+             "model.name=mlr", "--set", "rounds=100", "--set", "checkpoint_every=10", "--set", "clients_per_round=4",
              "--set", "progress=false", "--set", "plots=false", "--set", "pfedme.local_rounds=2"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -169,7 +169,7 @@ def test_a_job_stopped_midway_resumes_to_the_uninterrupted_runs(tmp_path, runs_a
     assert resumed.returncode == 0, resumed.stderr
     for s in KILL_SEEDS:
         for n in KILL_NAMES:
-            assert len(run_rows(cut / f"seed{s}" / n)) == 150
+            assert len(run_rows(cut / f"seed{s}" / n)) == 100
             assert run_rows(cut / f"seed{s}" / n) == run_rows(runs_alone / f"seed{s}" / n), (s, n)
 
 

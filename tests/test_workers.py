@@ -150,10 +150,10 @@ def test_runs_with_workers_equal_one_at_a_time_end_to_end(tmp_path, one_thread, 
     ("cnn", ["runtime.workers=1", "runtime.batch_runs=false"], "one after another, each on one thread"),
     ("cnn", ["runtime.workers=2", "runtime.workers_in=threads", "runtime.batch_runs=false"],
      "2 side by side in threads, each on one thread"),
-    ("dnn", ["runtime.workers=2"], "one process (runtime.batch_runs); clients: on the CPU through the model's batched form, "
+    ("dnn", ["runtime.workers=2", "runtime.threads=2"], "one process (runtime.batch_runs); clients: on the CPU through the model's batched form, "
                                    "each client on one thread, a round's clients in one lockstep where most of them "
                                    "are busy in most steps, the locksteps on 2 workers shared by the runs"),
-    ("cnn", ["runtime.workers=2"], "one process (runtime.batch_runs); clients: on cpu, 2 workers shared by the runs"),
+    ("cnn", ["runtime.workers=2", "runtime.threads=2"], "one process (runtime.batch_runs); clients: on cpu, 2 workers shared by the runs"),
 ])
 def test_the_way_clients_train_is_said_once_an_experiment_and_its_caches_live_on_the_runs_runner(tmp_path, model,
                                                                                                 extra, way):
