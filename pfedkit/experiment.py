@@ -5,18 +5,16 @@ import contextlib
 import dataclasses
 import functools
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from .config import Config, dump_config, load_config
 from .data import FederatedData, build_federated
 from .engine import Observer, Run, atomic_write
-from .engine.run import ProgressBar
+from .engine.run import JobProgress, ProgressBar
 from .runtime import batch_runs
 from .engine import folder as run_folder
 from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
@@ -293,27 +291,6 @@ def _close_folder(f: Folder, log: Callable[[str], None]) -> None:
         plot_comparison(out, run_dirs)
     log(table.read_text())
     log(f"wrote {out}/")
-
-
-class JobProgress(Observer):
-    """One progress bar for a job's runs: rounds done over all of them."""
-    side_by_side = True
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = tqdm(total=total, desc="runs", disable=not enabled, unit="round", dynamic_ncols=True,
-                        mininterval=0.5)
-        self.lock = threading.Lock()
-
-    def start(self, run, resumed):
-        with self.lock:
-            self.bar.update(run.totals["round"])
-
-    def round_done(self, run, rnd, stats, row):
-        with self.lock:
-            self.bar.update(1)
-
-    def end(self) -> None:
-        self.bar.close()
 
 
 def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: dict | None = None,

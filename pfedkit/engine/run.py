@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -146,6 +147,27 @@ class ProgressBar(Observer):
         self.bar.update(1)
 
     def close(self, run):
+        self.bar.close()
+
+
+class JobProgress(Observer):
+    """One progress bar for a job's runs: rounds done over all of them."""
+    side_by_side = True
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = tqdm(total=total, desc="runs", disable=not enabled, unit="round", dynamic_ncols=True,
+                        mininterval=0.5)
+        self.lock = threading.Lock()
+
+    def start(self, run, resumed):
+        with self.lock:
+            self.bar.update(run.totals["round"])
+
+    def round_done(self, run, rnd, stats, row):
+        with self.lock:
+            self.bar.update(1)
+
+    def end(self) -> None:
         self.bar.close()
 
 

@@ -70,7 +70,8 @@ class ClientRunner:
 
     def side_by_side(self, count: int, fn: Callable[[FlatModel, int], None]) -> None:
         """fn(model, i) for i in range(count), `workers(count)` of them at a time (`side_by_side`)."""
-        side_by_side(self.replicas(self.workers(count)), count, fn, self.pool)
+        models = self.replicas(self.workers(count))
+        side_by_side(models, count, fn, lambda tasks: self.parallel(tasks, len(models)))
 
     def may_fork(self, clients: int) -> bool:
         """Whether training calls may run side-by-side clients in forked processes (`runtime.workers_in`): on a

@@ -151,13 +151,13 @@ def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int, cores: 
 
 
 def side_by_side(models: list[FlatModel], count: int, fn: Callable[[FlatModel, int], None],
-                 pool: WorkerPool | None = None) -> None:
+                 parallel: Callable[[list], list] | None = None) -> None:
     """fn(model, i) for i in range(count), one worker per model of `models` (replicas of one module: `in_threads`),
     each worker on a model of its own. A client's result depends neither on which worker ran it nor on the order:
     its batches come from its own generator and, on a CPU, its ops run on one thread even when it runs alone (with
     more threads a convolution splits its reductions differently: a Flower ClientApp's lone client would round
-    otherwise than the same client beside others). `pool`: a job's shared workers run the tasks (at most
-    len(models) of them at once, one per model) instead of threads of this call."""
+    otherwise than the same client beside others). `parallel(tasks)` runs the tasks (a ClientRunner's: a job's
+    shared workers, at most len(models) at once, one per model); default: len(models) threads of this call."""
     free: queue.SimpleQueue = queue.SimpleQueue()
     for own in models:
         free.put(own)
@@ -169,6 +169,6 @@ def side_by_side(models: list[FlatModel], count: int, fn: Callable[[FlatModel, i
         finally:
             free.put(mine)
     tasks = [lambda i=i: task(i) for i in range(count)]
-    pool.map(tasks) if pool is not None else in_threads(len(models), tasks)
+    parallel(tasks) if parallel is not None else in_threads(len(models), tasks)
 
 
