@@ -52,8 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("target", choices=("table1", "table2", "table3", "fig6", "pfedcs-synthetic", "pfedcs-mnist"))
     rep.add_argument("--dataset", help="one dataset column group of the table (default: all of them; EMNIST and "
                      "CIFAR are read from dataset.root)")
-    rep.add_argument("--scale", choices=("reduced", "full"), default="reduced", help="reduced: 10-20 minutes per "
-                     "column and seed on 2 CPU cores (pfedkit/configs/*/*_reduced.yaml); full: the paper's protocol")
+    rep.add_argument("--column", help="one column of the table, named as its folder under --out (e.g. fmnist_10, "
+                     "synthetic_mlr); its table has that column alone")
+    rep.add_argument("--scale", choices=("reduced", "converged", "full"), default="reduced", help="reduced: 10-20 "
+                     "minutes per column and seed on 2 CPU cores (pfedkit/configs/*/*_reduced.yaml); converged: the "
+                     "paper's data per client until every method is flat (*_converged.yaml, FMNIST and Synthetic "
+                     "columns); full: the paper's protocol")
     rep.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every column, e.g. --set dataset.root=/data (repeatable)")
@@ -174,16 +178,17 @@ def _command(args) -> int:
         elif args.command == "reproduce":
             from .reproduce import reproduce, resolved
             if args.dry_run:
-                for line in resolved(args.target, dataset=args.dataset, scale=args.scale, seeds=args.seeds,
-                                     extra=args.overrides):
+                for line in resolved(args.target, dataset=args.dataset, column=args.column, scale=args.scale,
+                                     seeds=args.seeds, extra=args.overrides):
                     print(json.dumps(line))
                 return 0
             if args.out is None:
                 raise ConfigError("pfedkit reproduce: --out is required (the folder of the runs and the table), "
                                   "unless --dry-run")
             out = args.out
-            reproduce(args.target, args.out, dataset=args.dataset, scale=args.scale, seeds=args.seeds,
-                      extra=args.overrides, run=not args.table_only, allow_version_change=args.allow_version_change)
+            reproduce(args.target, args.out, dataset=args.dataset, column=args.column, scale=args.scale,
+                      seeds=args.seeds, extra=args.overrides, run=not args.table_only,
+                      allow_version_change=args.allow_version_change)
         elif args.command == "list":
             from .algorithms import ALGORITHMS
             from .config import DATASETS, MODELS, SCHEMES

@@ -115,7 +115,7 @@ class RuntimeConfig:
     # lockstep training on a GPU: each step one replay of a captured CUDA graph (cuda_graphs.py; same kernels,
     # launched at once) rather than dozens of small kernel launches from Python
     cuda_graphs: bool = True
-    # the runs of an experiment (seeds x algorithms, a reproduction's column) side by side in one process, their
+    # the runs of an experiment (seeds x algorithms, a reproduction's columns) side by side in one process, their
     # clients' work on one pool of workers (runtime/batch_runs.py): the same results, the cores busy to the end; on
     # a CPU with two or more cores (elsewhere, and with false, one after another)
     batch_runs: bool = True

@@ -7,7 +7,7 @@ import functools
 import os
 import time
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -95,15 +95,39 @@ def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: b
     runtime = {**(runtime or {}), "observers": list(observers)}
     if not resume:
         check_out(out, overwrite, config_file)
-    claim = functools.partial(_claim, out, resume, overwrite, config_file, allow_version_change)
-    summaries = _run_seeds(cfg, out, resume, data, log, stop_after, runtime, claim)
-    folders = [out / f"seed{s}" for s in cfg.seed_list()] or [out]
-    failed = [f / name / FAILED_FILE for f in folders for name in cfg.algorithms() if (f / name / FAILED_FILE).is_file()]
+    plan = _plan(cfg, out, resume, data, log, runtime)
+    with _claim(out, resume, overwrite, config_file, allow_version_change):
+        summaries = _run_plans([plan], log, stop_after)
+    _raise_failed([plan])
+    return summaries
+
+
+def run_experiments(experiments: list[tuple[Config, Path, bool]], *, log: Callable[[str], None] = print,
+                    allow_version_change: bool = False) -> list[dict]:
+    """Several experiments, each `(cfg, out, resume)` as `run_experiment` would run it (a fresh `out` must be new or
+    empty; a resumed one continues with its config), as one job where `runtime.batch_runs` pays: every experiment's
+    runs of every seed side by side (a reproduction's columns). Each experiment's folders, files and comparisons are
+    what it writes alone. Every experiment is built before anything is written."""
+    for cfg, out, resume in experiments:
+        if not resume:
+            check_out(Path(out), False)
+    runtime = {"observers": []}
+    plans = [_plan(cfg, Path(out), resume, None, log, runtime) for cfg, out, resume in experiments]
+    with contextlib.ExitStack() as claims:
+        for plan in plans:
+            claims.enter_context(_claim(plan.out, plan.resume, False, None, allow_version_change))
+        summaries = _run_plans(plans, log, None)
+    _raise_failed(plans)
+    return summaries
+
+
+def _raise_failed(plans: list[Plan]) -> None:
+    failed = [f.out / name / FAILED_FILE for p in plans for f in p.folders() for name in p.cfg.algorithms()
+              if (f.out / name / FAILED_FILE).is_file()]
     if failed:
-        first = failed[0]
+        first, out = failed[0], next(p.out for p in plans if p.out in failed[0].parents)
         raise UpdateError(f"{len(failed)} run(s) failed, e.g. {first.parent.relative_to(out)}: "
                           f"{first.read_text()}; the other results are in {out}/comparison.md")
-    return summaries
 
 
 def build_runs(cfg: Config, data: FederatedData, out: Path, runtime: dict | None = None,
@@ -139,43 +163,73 @@ def _claim(out: Path, resume: bool, overwrite: bool, config: Path | None, allow_
         yield
 
 
-def _run_seeds(cfg: Config, out: Path, resume: bool, data: FederatedData | None, log: Callable[[str], None],
-               stop_after: int | None, runtime: dict | None, claim: Callable[[], ContextManager]) -> list[dict]:
+@dataclasses.dataclass
+class Plan:
+    """One experiment, built before anything is written (everything that can refuse its config has been built): its
+    config, folder, and its first seed's data and runs; another seed's are built when it runs (`seed_folder`), so
+    that only one seed's runs are in memory unless they run side by side."""
+    cfg: Config
+    out: Path
+    resume: bool
+    first: FederatedData
+    runs: list[Run]
+    runtime: dict | None
+    log: Callable[[str], None]
+
+    def folders(self) -> list[Folder]:
+        """Where each seed's runs go, without building them (FAILED files, comparisons)."""
+        seeds = self.cfg.seed_list()
+        return [Folder(self.cfg.with_seed(s), self.out / f"seed{s}", False, self.first, []) for s in seeds] or \
+            [Folder(self.cfg, self.out, False, self.first, [])]
+
+    def seed_folder(self, i: int) -> Folder:
+        seeds = self.cfg.seed_list()
+        if not seeds:
+            return Folder(self.cfg, self.out, self.resume, self.first, self.runs)
+        one, seed_dir = self.cfg.with_seed(seeds[i]), self.out / f"seed{seeds[i]}"
+        data = self.first if i == 0 else prepare(one)
+        return Folder(one, seed_dir, self.resume and seed_dir.is_dir(), data,
+                      self.runs if i == 0 else build_runs(one, data, seed_dir, self.runtime, self.log))
+
+    def begin(self) -> None:
+        if self.cfg.seed_list() and not self.resume:
+            atomic_write(self.out / "config.yaml", dump_config(self.cfg).encode())
+
+    def end(self) -> None:
+        """The comparison over seeds (one seed's comparison is written when its runs end: `_close_folder`)."""
+        if not self.cfg.seed_list():
+            return
+        seed_dirs = [f.out for f in self.folders()]
+        table = write_seed_comparison(self.out, seed_dirs, self.cfg.algorithms(),
+                                      f"# Comparison over seeds {self.cfg.seeds} on {self.first.summary()}")
+        if self.cfg.plots:
+            plot_seed_comparison(self.out, seed_dirs, self.cfg.algorithms())
+        self.log(table.read_text())
+
+
+def _plan(cfg: Config, out: Path, resume: bool, data: FederatedData | None, log: Callable[[str], None],
+          runtime: dict | None) -> Plan:
     seeds = cfg.seed_list()
     if not seeds:
         data = data or prepare(cfg)
-        runs = build_runs(cfg, data, out, runtime, log)
-        with claim():
-            return _run_folders([Folder(cfg, out, resume, data, runs)], log, stop_after)
+        return Plan(cfg, out, resume, data, build_runs(cfg, data, out, runtime, log), runtime, log)
     first = prepare(cfg.with_seed(seeds[0]))  # fail on bad input before writing anything
     runs = build_runs(cfg.with_seed(seeds[0]), first, out / f"seed{seeds[0]}", runtime, log)
     for seed in seeds[1:]:  # each seed draws its own partition, which may refuse: check it now, keep only one
         build_runs(cfg.with_seed(seed), prepare(cfg.with_seed(seed)), out / f"seed{seed}")
-    with claim():
-        return _run_seed_list(cfg, out, resume, first, log, stop_after, runtime, runs)
+    return Plan(cfg, out, resume, first, runs, runtime, log)
 
 
-def _run_seed_list(cfg: Config, out: Path, resume: bool, first: FederatedData, log: Callable[[str], None],
-                   stop_after: int | None, runtime: dict | None, runs: list[Run]) -> list[dict]:
-    seeds = cfg.seed_list()
-    if not resume:
-        atomic_write(out / "config.yaml", dump_config(cfg).encode())
-
-    def folder(i: int, seed: int) -> Folder:
-        one, seed_dir = cfg.with_seed(seed), out / f"seed{seed}"
-        seed_data = first if i == 0 else prepare(one)
-        return Folder(one, seed_dir, resume and seed_dir.is_dir(), seed_data,
-                      runs if i == 0 else build_runs(one, seed_data, seed_dir, runtime, log))
-    if _batched(cfg, runs * len(seeds)):  # every seed's runs at once (each seed's data shared by its runs)
-        summaries = _run_folders([folder(i, seed) for i, seed in enumerate(seeds)], log, stop_after)
+def _run_plans(plans: list[Plan], log: Callable[[str], None], stop_after: int | None) -> list[dict]:
+    for plan in plans:
+        plan.begin()
+    seeds = [(plan, i) for plan in plans for i in range(len(plan.folders()))]
+    if _batched(plans[0].cfg, [r for plan, _ in seeds for r in plan.runs]):  # all at once (a seed's data shared)
+        summaries = _run_folders([plan.seed_folder(i) for plan, i in seeds], log, stop_after)
     else:  # one seed's runs in memory at a time
-        summaries = [s for i, seed in enumerate(seeds) for s in _run_folders([folder(i, seed)], log, stop_after)]
-    seed_dirs = [out / f"seed{s}" for s in seeds]
-    table = write_seed_comparison(out, seed_dirs, cfg.algorithms(),
-                                  f"# Comparison over seeds {cfg.seeds} on {first.summary()}")
-    if cfg.plots:
-        plot_seed_comparison(out, seed_dirs, cfg.algorithms())
-    log(table.read_text())
+        summaries = [s for plan, i in seeds for s in _run_folders([plan.seed_folder(i)], log, stop_after)]
+    for plan in plans:
+        plan.end()
     return summaries
 
 

@@ -2,9 +2,10 @@
 our mean ± sample std over seeds next to the paper's number in each cell.
 
 Each column of a table is one preset of `pfedkit/configs/` (`<name>_reduced.yaml` for `--scale reduced`, sized for 2 CPU
-cores; `<name>.yaml` the paper's protocol) run with the table's methods and seeds into `<out>/<column>/` (an
-interrupted reproduction resumes where it stopped when run again with the same --out). The table is then written
-from the runs' summary.json files: `<out>/<target>.md` and `<out>/<target>.png`.
+cores; `<name>_converged.yaml` for `--scale converged`, the paper's data per client run until every method is flat;
+`<name>.yaml` the paper's protocol) run with the table's methods and seeds into `<out>/<column>/` (an interrupted
+reproduction resumes where it stopped when run again with the same --out). The table is then written from the runs'
+summary.json and metrics.jsonl files: `<out>/<target>.md` and `<out>/<target>.png`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from scipy import stats
 from .config import BATCHNORM_MODELS, load_config
 from .engine.files import RESUMABLE_KEYS, atomic_write, flatten_config, resumable
 from .errors import ConfigError, UpdateError
-from .experiment import is_run_folder, prepare, resume_experiment, run_experiment
+from .experiment import is_run_folder, prepare, run_experiments
 from .report import papers
 
 from . import PRESETS
@@ -82,19 +83,34 @@ TARGETS = {t.name: t for t in (
 )}
 
 
-def columns_of(target: Target, dataset: str | None) -> list[Column]:
+def columns_of(target: Target, dataset: str | None, column: str | None = None) -> list[Column]:
     if dataset is not None and dataset not in target.datasets:
         raise ConfigError(f"pfedkit reproduce {target.name}: no dataset {dataset!r}; allowed: "
                           f"{', '.join(target.datasets)}")
-    return [c for d in ([dataset] if dataset else target.datasets) for c in target.columns(d)]
+    columns = [c for d in ([dataset] if dataset else target.datasets) for c in target.columns(d)]
+    if column is not None and column not in [c.folder for c in columns]:
+        raise ConfigError(f"pfedkit reproduce {target.name}: no column {column!r}; allowed: "
+                          f"{', '.join(c.folder for c in columns)}")
+    return [c for c in columns if column in (None, c.folder)]
+
+
+# --scale: (the presets' file suffix, what the scale is)
+SCALES = {"reduced": ("_reduced", "*_reduced.yaml: fewer rounds and samples than the paper, for 2 CPU cores"),
+          "converged": ("_converged", "*_converged.yaml: the paper's data per client, 1 local epoch, rounds until "
+                        "every method is flat, for 2 CPU cores"),
+          "full": ("", "the paper's protocol")}
 
 
 def preset_path(column: Column, scale: str) -> Path:
-    path = PRESETS / f"{column.preset}{'_reduced' if scale == 'reduced' else ''}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"pfedkit reproduce: the preset {path} is missing (the presets live in the source "
-                          "package's configs/ folder: reinstall pfedkit)")
-    return path
+    path = PRESETS / f"{column.preset}{SCALES[scale][0]}.yaml"
+    if path.is_file():
+        return path
+    if scale == "converged":  # measured column by column: not every column has one
+        have = sorted(p.name for p in PRESETS.glob("*/*_converged.yaml"))
+        raise ConfigError(f"pfedkit reproduce: {column.label} has no --scale converged preset ({path.name}); "
+                          f"the columns that have one: {', '.join(have)} (docs/reproduce.md, 'A converged scale')")
+    raise ConfigError(f"pfedkit reproduce: the preset {path} is missing (the presets live in the source "
+                      "package's configs/ folder: reinstall pfedkit)")
 
 
 def column_config(target: Target, column: Column, scale: str, seeds: str, extra: list[str]):
@@ -109,13 +125,13 @@ def column_config(target: Target, column: Column, scale: str, seeds: str, extra:
 HOW_NOT_WHAT = RESUMABLE_KEYS - {"rounds"}
 
 
-def resolved(target_name: str, *, dataset: str | None = None, scale: str = "reduced", seeds: str = "0,1,2",
-             extra: list[str] | None = None) -> list[dict]:
+def resolved(target_name: str, *, dataset: str | None = None, column: str | None = None, scale: str = "reduced",
+             seeds: str = "0,1,2", extra: list[str] | None = None) -> list[dict]:
     """Each column's config as its runs would write it, without running or writing anything (`--dry-run`)."""
     target = TARGETS[target_name]
     return [{"target": target.name, "column": c.label, "scale": scale, "preset": str(preset_path(c, scale).relative_to(
         PRESETS.parent)), "config": column_config(target, c, scale, seeds, extra or []).to_dict()}
-        for c in columns_of(target, dataset)]
+        for c in columns_of(target, dataset, column)]
 
 
 def check_same_config(folder: Path, cfg) -> None:
@@ -129,30 +145,29 @@ def check_same_config(folder: Path, cfg) -> None:
                           "differ); use another --out, or delete the folder to start it again")
 
 
-def reproduce(target_name: str, out: Path, *, dataset: str | None = None, scale: str = "reduced",
-              seeds: str = "0,1,2", extra: list[str] | None = None, run: bool = True,
+def reproduce(target_name: str, out: Path, *, dataset: str | None = None, column: str | None = None,
+              scale: str = "reduced", seeds: str = "0,1,2", extra: list[str] | None = None, run: bool = True,
               log: Callable[[str], None] = print, allow_version_change: bool = False) -> Path:
     """Run (or resume) every column of a table, then write its markdown table and figure; returns the table.
     With run=False only the table, from the runs finished so far."""
     target = TARGETS[target_name]
     out = Path(out)
-    columns = columns_of(target, dataset)
+    columns = columns_of(target, dataset, column)
     configs = [column_config(target, c, scale, seeds, extra or []) for c in columns]  # refuse bad input first
     for column, cfg in zip(columns, configs):
         if is_run_folder(out / column.folder):
             check_same_config(out / column.folder, cfg)
     for cfg in configs if run else []:  # missing data (EMNIST, CIFAR: where to put the files), before any column
         prepare(cfg.with_seed(cfg.seed_list()[0]) if cfg.seed_list() else cfg)
-    for column, cfg in zip(columns, configs) if run else []:
-        folder = out / column.folder
-        log(f"== {target.name} {column.label}: {preset_path(column, scale).name} → {folder}")
+    if run:  # every column's runs as one job where runtime.batch_runs pays; a resumed column goes on with its config
+        for column in columns:
+            log(f"== {target.name} {column.label}: {preset_path(column, scale).name} → {out / column.folder}")
+        folders = [out / c.folder for c in columns]
         try:
-            if is_run_folder(folder):
-                resume_experiment(folder, log=log, allow_version_change=allow_version_change)
-            else:
-                run_experiment(cfg, folder, log=log)
+            run_experiments([(load_config(f / "config.yaml") if is_run_folder(f) else cfg, f, is_run_folder(f))
+                             for f, cfg in zip(folders, configs)], log=log, allow_version_change=allow_version_change)
         except UpdateError as exc:  # a diverged run is a failed cell; the other methods' cells still count
-            log(f"{column.label}: {exc}")
+            log(str(exc))
     results = {c: collect(out / c.folder, cfg) for c, cfg in zip(columns, configs)}
     text = TABLES[target.name](target, results, out, scale, seeds)
     path = out / f"{target.name}.md"
@@ -168,14 +183,39 @@ FAILED = "failed"  # a run that stopped on non-finite updates (its failed.txt sa
 
 
 def collect(folder: Path, cfg) -> dict[str, list[dict | str | None]]:
-    """Each method's summary per seed: the summary.json dict, FAILED, or None where the run has not finished."""
+    """Each method's summary per seed: the summary.json dict (with `<metric>_drift` for the tables' metrics, from
+    its metrics.jsonl), FAILED, or None where the run has not finished."""
     seeds = cfg.seed_list()
     dirs = [folder / f"seed{s}" for s in seeds] if seeds else [folder]
-    out = {}
-    for name in cfg.algorithms():
-        out[name] = [json.loads((d / name / "summary.json").read_text()) if (d / name / "summary.json").is_file()
-                     else FAILED if (d / name / "failed.txt").is_file() else None for d in dirs]
-    return out
+    return {name: [finished(d / name) if (d / name / "summary.json").is_file()
+                   else FAILED if (d / name / "failed.txt").is_file() else None for d in dirs]
+            for name in cfg.algorithms()}
+
+
+# A run has converged when its metric is flat at the end: the mean of its last FLAT_WINDOW evaluations within
+# FLAT_POINTS points of the mean of the FLAT_WINDOW before them (two windows average out the evaluation noise of a
+# few hundred test samples a client; a run still rising by more is cut too early, whatever its last value).
+FLAT_WINDOW, FLAT_POINTS = 5, 0.5
+CURVE_KEYS = ("personalized_acc", "personalized_acc_weighted", "global_acc_weighted")  # the tables' metrics
+
+
+def drift(values: list[float], window: int = FLAT_WINDOW) -> float | None:
+    """How far a metric still moved at the end of a run: the mean of its last `window` values minus the mean of the
+    `window` before them (None with fewer than 2 x window values)."""
+    if len(values) < 2 * window:
+        return None
+    return float(np.mean(values[-window:]) - np.mean(values[-2 * window:-window]))
+
+
+def finished(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (run_dir / "metrics.jsonl").is_file() else []
+    for key in CURVE_KEYS:
+        curve = [r[key] for r in rows if r.get(key) is not None]
+        summary[f"{key}_drift"] = drift(curve)
+        summary[f"{key}_best"] = max(curve, default=None)  # the best evaluated round, as pFedMe's code reports
+    return summary
 
 
 def metric(run: dict | str | None, key: str) -> float | None:
@@ -211,15 +251,30 @@ def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
     return lines
 
 
-SCALES = {"reduced": "*_reduced.yaml: fewer rounds and samples than the paper, for 2 CPU cores",
-          "full": "the paper's protocol"}
-
-
 def _header(target: Target, scale: str, seeds: str) -> list[str]:
     return [f"# pfedkit reproduce {target.name} (--scale {scale}, seeds {seeds})", "",
             f"Command: `pfedkit reproduce {target.name} --scale {scale} --seeds {seeds}`; presets: pfedkit/configs/ "
-            f"({SCALES[scale]}).",
+            f"({SCALES[scale][1]}).",
             ""]
+
+
+def _flatness(results: dict, key: str) -> list[str]:
+    """Per column, method and seed the metric's drift at the end of the run (points), and whether it is flat in
+    every seed that finished."""
+    seeds = max(len(v) for r in results.values() for v in r.values())
+    lines = ["", f"Converged? The mean of the last {FLAT_WINDOW} evaluations minus the mean of the {FLAT_WINDOW} "
+             f"before them ({key}, points); flat: within ±{FLAT_POINTS} in every seed (docs/reproduce.md):", "",
+             "| column | method | " + " | ".join(f"seed {i}" for i in range(seeds)) + " | flat |",
+             "|---|---|" + "---|" * (seeds + 1)]
+    for column, res in results.items():
+        for name, runs in res.items():
+            drifts = [metric(r, f"{key}_drift") for r in runs]
+            done = [100 * d for d in drifts if d is not None]
+            flat = "–" if not done else "yes" if all(abs(d) <= FLAT_POINTS for d in done) else "no"
+            lines.append(f"| {column.label} | {name} | " + " | ".join(
+                f"{100 * d:+.2f}" if d is not None else "–" if isinstance(r, dict) else r or "pending"
+                for d, r in zip(drifts, runs)) + f" | {flat} |")
+    return lines
 
 
 def kendall_tau(ours: dict[str, float | None], paper: dict[str, float | None]) -> str:
@@ -269,7 +324,7 @@ def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: 
               "client always predicts its most frequent training label (a personalized accuracy near it learned "
               "little beyond the label skew). Rank agreement: Kendall's τ-b between our means and the paper's "
               "numbers over the methods both have (+1 the same order, −1 the reverse; p: two-sided, n: methods)."]
-    return "\n".join(lines + _per_seed(results, "personalized_acc")) + "\n"
+    return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")) + "\n"
 
 
 def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
@@ -294,7 +349,7 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
         lines.append(f"| {c.label.split()[0]} | *rank agreement with the paper over k* | {tau} | | | | |")
     lines += ["", target.what, "The paper's MB are for its own model and rounds; compare the trend over k, not "
               "the values. Rank agreement: Kendall's τ-b between our accuracies and the paper's over the k values."]
-    return "\n".join(lines + _per_seed(results, "personalized_acc")) + "\n"
+    return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")) + "\n"
 
 
 def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
@@ -318,13 +373,22 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
         taus = [kendall_tau({n: _mean_gain(ours_cs, runs, key) for n, runs in res.items() if n != "pfedcs"},
                             {n: g[i] for n, g in gains.items()})
                 for i, key in enumerate(("global_acc_weighted", "personalized_acc_weighted"))]
-        lines += ["", f"Rank agreement of the gains with the paper's: GM {taus[0]}; PM {taus[1]}.", ""]
+        lines += ["", f"Rank agreement of the gains with the paper's: GM {taus[0]}; PM {taus[1]}.", "",
+                  "| method | GM % pooled: last round | best round* | per client: last | PM % pooled: last round "
+                  "| best round* | per client: last |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | " + " | ".join(fmt(runs, key) for key in (
+            "global_acc_weighted", "global_acc_weighted_best", "global_acc", "personalized_acc_weighted",
+            "personalized_acc_weighted_best", "personalized_acc")) + " |" for name, runs in res.items()]
+        lines.append("")
     lines += [target.what, "Gains: per seed, pFedCS's value minus the method's on the same partition and sampling "
               "stream, mean ± sample std over seeds. The paper reports PM gains only against the methods with a "
               "personalized model (Per-FedAvg, FedTC). Majority label: each client always predicts its most frequent "
               "training label, pooled over all test samples as PM is. Rank agreement: Kendall's τ-b between our "
-              "mean gains and the paper's over the baselines both have (n < 3: –)."]
+              "mean gains and the paper's over the baselines both have (n < 3: –). *Best round: the highest value "
+              "over the run's evaluations, as the pFedMe code reports (and the pFedCS paper may): an optimistic "
+              "pick, not a held-out choice. Per client: the unweighted mean over clients."]
     lines += _per_seed(results, "global_acc_weighted") + _per_seed(results, "personalized_acc_weighted")
+    lines += _flatness(results, "global_acc_weighted") + _flatness(results, "personalized_acc_weighted")
     return "\n".join(lines) + "\n"
 
 

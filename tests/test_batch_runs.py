@@ -222,3 +222,4 @@ def test_runs_alone_and_in_a_job_write_the_same_files(tmp_path):
         if a is not None:
             b = np.load(tmp_path / "alone" / "seed0" / name / "alpha.npz")
             assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+

@@ -8,10 +8,11 @@ import statistics
 from pathlib import Path
 
 from pfedkit.cli import main
+from pfedkit.engine import TIMING_KEYS
 
 TINY = ["rounds=1", "eval_every=1", "partition.num_clients=4", "clients_per_round=2", "partition.samples_per_client=60",
         "fedrep.head_epochs=1", "pfedme.local_rounds=1", "pfedme.inner_steps=1", "fedfomo.models=1",
-        "progress=false", "plots=false"]
+        "progress=false", "plots=false", "runtime.threads=2"]  # 2: a job, whatever thread count a test before left
 
 
 def sets(items):
@@ -28,10 +29,24 @@ def ours(folder: Path, method: str, seeds, key="personalized_acc") -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
-def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_path):
+def run_rows(folder: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_path, capsys):
     out = tmp_path / "t1"
     assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(out), *sets(TINY)]) == 0
     text = (out / "table1.md").read_text()
+    # both columns' runs (2 x 9 methods x 2 seeds) went as one job, with every run's bits and the table of the runs
+    # one after another (runtime.batch_runs=false)
+    assert "runs: 36 side by side in one process" in capsys.readouterr().out
+    alone = tmp_path / "alone"
+    assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(alone), *sets(TINY),
+                 "--set", "runtime.batch_runs=false"]) == 0
+    assert text.replace(str(out), "") == (alone / "table1.md").read_text().replace(str(alone), "")
+    runs = sorted(p.parent.relative_to(out) for p in out.rglob("summary.json"))
+    assert len(runs) == 36 and all(run_rows(out / run) == run_rows(alone / run) for run in runs)
     assert (out / "table1.png").is_file()
     header = next(line for line in text.splitlines() if line.startswith("| method |"))
     assert "FMNIST 10: ours | paper" in header and "FMNIST 100: ours | paper" in header
@@ -68,8 +83,12 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     seed0 = 100 * json.loads((out / "fmnist_10" / "seed0" / "fedrep" / "summary.json").read_text())["personalized_acc"]
     assert cells(text, "fedrep")[0] == f"{seed0:.2f} (1 of 2 seeds)"
     assert cells(text, "pfedhn")[0] == "failed"
-    per_seed = [line for line in text.splitlines() if line.startswith("| FMNIST 10 | fedrep |")]
-    assert per_seed == [f"| FMNIST 10 | fedrep | {seed0:.2f} | pending |"]
+    per_seed, flat = text.split("Per seed (personalized_acc)")[1].split("Converged? ")
+    assert [line for line in per_seed.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
+        [f"| FMNIST 10 | fedrep | {seed0:.2f} | pending |"]
+    # one evaluation is too few to say whether a run is flat
+    assert [line for line in flat.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
+        ["| FMNIST 10 | fedrep | – | pending | – |"]
     assert not (out / "fmnist_10" / "seed1" / "fedrep" / "summary.json").exists()
 
 
@@ -103,9 +122,28 @@ def test_every_accuracy_table_says_how_far_its_ranking_agrees_with_the_papers():
                  "*rank agreement with the paper*")[0] == "–"
 
 
+def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five_before():
+    """The convergence row of every table: per seed the drift (mean of the last 5 evaluations minus the 5 before,
+    points) and "flat" only when every seed's drift is within 0.5 points; too short a run says –."""
+    from pfedkit.reproduce import TARGETS, accuracy_table, columns_of, drift
+    assert drift([0.1 * i for i in range(12)]) == __import__("pytest").approx(0.5)  # (7+...+11)/5 - (2+...+6)/5
+    assert drift([0.8] * 9) is None
+    column = columns_of(TARGETS["table1"], "fmnist")[0]
+
+    def run(acc_drift):
+        return {"personalized_acc": 0.9, "majority_label_acc": 0.5, "personalized_acc_drift": acc_drift}
+    results = {column: {"local": [run(0.004), run(-0.005)], "fedavg": [run(0.002), run(0.0062)],
+                        "pfedla": [run(None), None]}}
+    text = accuracy_table(TARGETS["table1"], results, Path("."), "converged", "0,1")
+    flat = text.split("Converged? ")[1]
+    assert "| FMNIST 10 | local | +0.40 | -0.50 | yes |" in flat
+    assert "| FMNIST 10 | fedavg | +0.20 | +0.62 | no |" in flat
+    assert "| FMNIST 10 | pfedla | – | pending | – |" in flat  # too short a run; not finished
+
+
 def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
     out = tmp_path / "cs"
-    extra = ["rounds=1", "eval_every=1", "partition.num_clients=6", "clients_per_round=2", "local.steps=2",
+    extra = ["rounds=10", "eval_every=1", "partition.num_clients=6", "clients_per_round=2", "local.steps=2",
              "pfedme.local_rounds=2", "pfedcs.local_rounds=2", "clustering.clusters=2", "progress=false",
              "plots=false"]
     assert main(["reproduce", "pfedcs-synthetic", "--seeds", "0,1", "--out", str(out), *sets(extra)]) == 0
@@ -128,6 +166,27 @@ def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
     assert cells(mlr, "*majority label (reference)*")[1] == \
         f"{100 * statistics.mean(pooled):.2f} ± {100 * statistics.stdev(pooled):.2f}"
     assert "Rank agreement of the gains with the paper's: GM τ " in mlr
+    # pooled and per client, last round and best round (as pFedMe's code reports), from the runs' own files
+    def best(key):
+        values = [max(100 * json.loads(line)[key] for line in
+                      (folder / f"seed{s}" / "fedtc" / "metrics.jsonl").read_text().splitlines()) for s in (0, 1)]
+        return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+    detail = next(line for line in mlr.split("| method | GM % pooled: last round")[1].splitlines()
+                  if line.startswith("| fedtc |"))
+    assert [c.strip() for c in detail.strip("|").split("|")][1:] == [
+        ours(folder, "fedtc", (0, 1), "global_acc_weighted"), best("global_acc_weighted"),
+        ours(folder, "fedtc", (0, 1), "global_acc"), ours(folder, "fedtc", (0, 1), "personalized_acc_weighted"),
+        best("personalized_acc_weighted"), ours(folder, "fedtc", (0, 1), "personalized_acc")]
+    # converged? per seed the mean of the last 5 evaluations minus the 5 before, from the run's metrics.jsonl
+    flat = text.split("Converged? ")[1]  # the GM section
+    for seed in (0, 1):
+        rows = [json.loads(line) for line in
+                (folder / f"seed{seed}" / "fedtc" / "metrics.jsonl").read_text().splitlines()]
+        gm = [100 * r["global_acc_weighted"] for r in rows]
+        assert len(gm) == 10
+        expected = statistics.mean(gm[5:]) - statistics.mean(gm[:5])
+        row = next(line for line in flat.splitlines() if line.startswith("| Synthetic MLR | fedtc |"))
+        assert [c.strip() for c in row.strip("|").split("|")][2 + seed] == f"{expected:+.2f}"
 
 
 def test_a_missing_dataset_is_named_with_where_to_put_it_before_anything_runs(tmp_path, capsys):
@@ -185,3 +244,28 @@ def test_every_full_scale_column_is_the_papers_protocol_and_the_docs_table_says_
             assert row[10] == PAPER_MODEL[dataset] and row[12] == f"{epochs - 1} + 1", (target, name, row)
             checked += 1
     assert checked == 19 == len(rows)
+
+
+def test_the_converged_scale_gives_every_client_the_papers_data_and_says_which_columns_have_it(capsys):
+    """`--scale converged`: the paper's clients and data per client (the full preset's), every client in every
+    round, the reduced scale's local work, rounds enough for the flatness row's two windows; `--column` picks one
+    column; a column without a converged preset is refused with the list of those that have one."""
+    for target in ("table1", "table2"):
+        assert main(["reproduce", target, "--column", "fmnist_10", "--scale", "converged", "--dry-run"]) == 0
+        (converged,) = [json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()]
+        assert main(["reproduce", target, "--column", "fmnist_10", "--scale", "full", "--dry-run"]) == 0
+        (full,) = [json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()]
+        assert main(["reproduce", target, "--column", "fmnist_10", "--dry-run"]) == 0
+        (reduced,) = [json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()]
+        assert converged["partition"] == full["partition"]  # 10 clients x 700 samples, the paper's split
+        assert converged["clients_per_round"] == full["clients_per_round"] == 0
+        assert converged["local"] == reduced["local"] and converged["algorithm"] == reduced["algorithm"]
+        for method in ("pfedme", "perfedavg", "fedrep", "pfedhn", "fedfomo", "pfedla", "heurpfedla"):
+            assert converged[method] == reduced[method], method
+        assert converged["rounds"] % converged["eval_every"] == 0
+        assert converged["rounds"] >= 2 * 5 * converged["eval_every"]  # the flatness row's two windows
+    assert main(["reproduce", "table1", "--column", "fmnist_100", "--scale", "converged", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "FMNIST 100 has no --scale converged preset" in err and "table1_fmnist_10clients_converged.yaml" in err
+    assert main(["reproduce", "table1", "--dataset", "fmnist", "--column", "mnist_10", "--dry-run"]) == 2
+    assert "no column 'mnist_10'; allowed: fmnist_10, fmnist_100" in capsys.readouterr().err

@@ -97,7 +97,7 @@ MEANINGS: dict[str, str] = {
     "runtime.threads": "speed only: PyTorch's CPU threads (0: PyTorch's default), and so the default number of "
                        "side-by-side clients and evaluation chunks; a run's own work (server, sampler) and each "
                        "client's run on one thread whatever this is, so the results do not depend on it",
-    "runtime.batch_runs": "speed only: the runs of an experiment (its seeds x algorithms, a reproduction's column) "
+    "runtime.batch_runs": "speed only: the runs of an experiment (its seeds x algorithms, a reproduction's columns) "
                           "side by side in one process, each run's loop in a thread of its own and every run's "
                           "client work on one pool of workers, so the cores stay busy through every run's serial "
                           "parts; on a CPU with two or more cores, without observers of your own that keep one "
