@@ -119,6 +119,9 @@ class RuntimeConfig:
     # clients' work on one pool of workers (runtime/batch_runs.py): the same results, the cores busy to the end; on
     # a CPU with two or more cores (elsewhere, and with false, one after another)
     batch_runs: bool = True
+    # the memory a job of runs side by side may fill, in GB (0: 80 % of what the machine has free when it starts):
+    # the runs go in as many steps as their data and training state need (runtime/batch_runs.py::steps)
+    job_memory_gb: float = at_least(0.0, 0.0)
 
 
 # keys of earlier pfedkit versions, read (in files and --set) under their present names

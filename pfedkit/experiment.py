@@ -224,13 +224,59 @@ def _run_plans(plans: list[Plan], log: Callable[[str], None], stop_after: int | 
     for plan in plans:
         plan.begin()
     seeds = [(plan, i) for plan in plans for i in range(len(plan.folders()))]
-    if _batched(plans[0].cfg, [r for plan, _ in seeds for r in plan.runs]):  # all at once (a seed's data shared)
-        summaries = _run_folders([plan.seed_folder(i) for plan, i in seeds], log, stop_after)
+    if _batched(plans[0].cfg, [r for plan, _ in seeds for r in plan.runs]):  # side by side, a seed's data shared
+        groups = _memory_steps(seeds, log)
     else:  # one seed's runs in memory at a time
-        summaries = [s for plan, i in seeds for s in _run_folders([plan.seed_folder(i)], log, stop_after)]
+        groups = [[j] for j in range(len(seeds))]
+    summaries = [s for group in groups
+                 for s in _run_folders([seeds[j][0].seed_folder(seeds[j][1]) for j in group], log, stop_after)]
     for plan in plans:
         plan.end()
     return summaries
+
+
+def _memory_steps(seeds: list[tuple[Plan, int]], log: Callable[[str], None]) -> list[list[int]]:
+    """The seeds' runs in as few steps as `runtime.job_memory_gb` allows (each step one job), said in one line when
+    more than one: a seed's need is its data and twice its runs' fresh training state (the working copies)."""
+    runtime = seeds[0][0].cfg.runtime
+    budget = int(runtime.job_memory_gb * 1e9) if runtime.job_memory_gb else int(0.8 * batch_runs.free_memory())
+    needs = {id(plan): _data_bytes(plan.first) + 2 * sum(_state_bytes(run) for run in plan.runs)
+             for plan, _ in seeds}
+    sizes = [needs[id(plan)] for plan, _ in seeds]
+    groups = batch_runs.steps(sizes, budget)
+    if len(groups) > 1:
+        log(f"runs: {sum(len(plan.runs) for plan, _ in seeds)} in {len(groups)} steps to fit memory (each step one "
+            f"job of at most {budget / 1e9:.1f} GB, runtime.job_memory_gb; a seed's runs need about "
+            f"{max(sizes) / 1e9:.2f} GB)")
+    return groups
+
+
+def _data_bytes(data: FederatedData) -> int:
+    return sum(t.nbytes for t in (data.x_train, data.y_train, data.x_test, data.y_test))
+
+
+def _state_bytes(run: Run) -> int:
+    """Bytes of a run's fresh training state (server, sampler, clients), built and let go (its own generators: no
+    stream of the run is drawn from)."""
+    rng = torch.get_rng_state()
+    try:
+        init = run.model.state()
+        run.server.reset(init)
+        run.clients.reset(init)
+        return _tensor_bytes([run.server.state, run.server.sampler_state, run.clients.state()])
+    finally:
+        run.release()
+        torch.set_rng_state(rng)
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 @dataclasses.dataclass

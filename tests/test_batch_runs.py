@@ -65,19 +65,26 @@ def test_every_algorithm_gives_its_bits_alone_in_a_job(tmp_path, setting):
     """All algorithms x 2 seeds as one job and one after another: each run's metrics, summary and final server,
     client and sampler state are identical (torch.equal), and the job said it ran them side by side."""
     sets = (CNN + COMMON + ["rounds=2"]) if setting == "cnn" else DENSE + COMMON
-    said: dict[str, list[str]] = {"job": [], "alone": []}
-    for how, extra in (("job", []), ("alone", ["runtime.batch_runs=false"])):
+    ways = {"job": [], "alone": ["runtime.batch_runs=false"]}
+    if setting == "dense":  # a memory budget below one seed's need: each seed's runs one job, one after the other
+        ways["steps"] = ["runtime.job_memory_gb=1e-9"]
+    said: dict[str, list[str]] = {how: [] for how in ways}
+    for how, extra in ways.items():
         cfg = load_config(None, sets + extra, ",".join(ALL))
         run_experiment(cfg, tmp_path / how, log=said[how].append)
     assert any(line.startswith(f"runs: {2 * len(ALL)} side by side") for line in said["job"])
     assert not any(line.startswith("runs:") for line in said["alone"])
+    if "steps" in said:
+        assert sum(line.startswith(f"runs: {2 * len(ALL)} in 2 steps to fit memory") for line in said["steps"]) == 1
+        assert sum(line.startswith(f"runs: {len(ALL)} side by side") for line in said["steps"]) == 2
     for seed in (0, 1):
         for name in ALL:
-            job, alone = tmp_path / "job" / f"seed{seed}" / name, tmp_path / "alone" / f"seed{seed}" / name
-            assert run_rows(job) == run_rows(alone), (seed, name)
-            assert run_summary(job) == run_summary(alone), (seed, name)
-            a, b = checkpoint_tensors(job), checkpoint_tensors(alone)
-            assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), (seed, name)
+            alone = tmp_path / "alone" / f"seed{seed}" / name
+            for job in [tmp_path / how / f"seed{seed}" / name for how in ways if how != "alone"]:
+                assert run_rows(job) == run_rows(alone), (seed, name)
+                assert run_summary(job) == run_summary(alone), (seed, name)
+                a, b = checkpoint_tensors(job), checkpoint_tensors(alone)
+                assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), (seed, name)
     for how in ("job", "alone"):  # the per-seed and the over-seeds comparisons are written either way
         assert (tmp_path / how / "comparison.md").is_file() and (tmp_path / how / "seed1" / "comparison.md").is_file()
 
@@ -223,3 +230,12 @@ def test_runs_alone_and_in_a_job_write_the_same_files(tmp_path):
             b = np.load(tmp_path / "alone" / "seed0" / name / "alpha.npz")
             assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
+
+
+def test_a_job_goes_in_steps_of_consecutive_seeds_that_fit_its_memory():
+    from pfedkit.runtime.batch_runs import free_memory, steps
+    assert steps([3, 3, 3, 3], 7) == [[0, 1], [2, 3]]
+    assert steps([5, 1, 1, 9, 2], 7) == [[0, 1, 2], [3], [4]]  # 9 > 7 goes alone
+    assert steps([5, 5, 5], 0) == [[0, 1, 2]]  # no budget: one job
+    assert steps([], 10) == []
+    assert free_memory() > 0  # Linux: MemAvailable

@@ -272,6 +272,7 @@ def test_a_resumed_run_may_change_its_runtime_section_and_reads_the_keys_of_earl
     saved = tmp_path / "cut" / "config.yaml"
     text = saved.read_text()
     runtime = "runtime:\n  threads: 0\n  workers: 2\n  workers_in: processes\n  cuda_graphs: true\n  batch_runs: true\n"
+    runtime += "  job_memory_gb: 0.0\n"
     assert runtime in text
     earlier = text.replace(runtime, "threads: 1\n").replace("local:\n", "local:\n  workers: 1\n  workers_in: threads\n")
     saved.write_text(earlier.replace("lr: 0.05", "lr: 0.06"))

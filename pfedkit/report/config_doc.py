@@ -97,6 +97,9 @@ MEANINGS: dict[str, str] = {
     "runtime.threads": "speed only: PyTorch's CPU threads (0: PyTorch's default), and so the default number of "
                        "side-by-side clients and evaluation chunks; a run's own work (server, sampler) and each "
                        "client's run on one thread whatever this is, so the results do not depend on it",
+    "runtime.job_memory_gb": "speed only: the memory a job of runs side by side (`runtime.batch_runs`) may fill, "
+                             "in GB; 0: 80 % of the memory free when it starts. Runs whose data and training state "
+                             "need more go in several steps, each as one job, and the job says so in one line",
     "runtime.batch_runs": "speed only: the runs of an experiment (its seeds x algorithms, a reproduction's columns) "
                           "side by side in one process, each run's loop in a thread of its own and every run's "
                           "client work on one pool of workers, so the cores stay busy through every run's serial "

@@ -7,10 +7,12 @@ the job rather than idling through every run's serial parts and its last clients
 Nothing a run computes depends on the job: its own work runs on one intra-op thread (Run.run) and each client task
 on one thread of a worker, with the client's own seeded generators, as alone; its files, checkpoints and resume are
 its own (tests/test_batch_runs.py holds every algorithm to its metrics alone, and a job killed midway to the
-uninterrupted runs). On a GPU the runs go one after another: several threads launching kernels and capturing CUDA
+uninterrupted runs). A job that would not fit the memory goes in steps of consecutive seeds (`steps`, sized by
+experiment._memory_steps under `runtime.job_memory_gb`). On a GPU the runs go one after another: several threads launching kernels and capturing CUDA
 graphs on one device was never measured (docs/performance.md)."""
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, TypeVar
 
@@ -30,6 +32,32 @@ def describe(runs: int, runners: list[ClientRunner]) -> str:
     """The job's way, in one line: the runs side by side, and how their clients train (ClientRunner.describe)."""
     clients = runners[0].describe(shared=workers(runners)).removeprefix("clients: ")
     return f"runs: {runs} side by side in one process (runtime.batch_runs); clients: {clients}"
+
+
+def free_memory() -> int:
+    """Bytes the machine has free now (Linux's MemAvailable; elsewhere free pages), 0 where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return 0
+
+
+def steps(sizes: list[int], budget: int) -> list[list[int]]:
+    """Groups of consecutive items (a seed's runs and data: their bytes in `sizes`) that each fit `budget` bytes,
+    in order; an item larger than the budget goes alone. budget 0: all in one."""
+    groups: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not groups or (budget and used + size > budget):
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += size
+    return groups
 
 
 def workers(runners: list[ClientRunner]) -> int:
