@@ -122,8 +122,8 @@ def run_experiments(experiments: list[tuple[Config, Path, bool]], *, log: Callab
 
 
 def _raise_failed(plans: list[Plan]) -> None:
-    failed = [f.out / name / FAILED_FILE for p in plans for f in p.folders() for name in p.cfg.algorithms()
-              if (f.out / name / FAILED_FILE).is_file()]
+    failed = [d / name / FAILED_FILE for p in plans for d in p.dirs() for name in p.cfg.algorithms()
+              if (d / name / FAILED_FILE).is_file()]
     if failed:
         first, out = failed[0], next(p.out for p in plans if p.out in failed[0].parents)
         raise UpdateError(f"{len(failed)} run(s) failed, e.g. {first.parent.relative_to(out)}: "
@@ -176,11 +176,9 @@ class Plan:
     runtime: dict | None
     log: Callable[[str], None]
 
-    def folders(self) -> list[Folder]:
-        """Where each seed's runs go, without building them (FAILED files, comparisons)."""
-        seeds = self.cfg.seed_list()
-        return [Folder(self.cfg.with_seed(s), self.out / f"seed{s}", False, self.first, []) for s in seeds] or \
-            [Folder(self.cfg, self.out, False, self.first, [])]
+    def dirs(self) -> list[Path]:
+        """Where each seed's runs go (`out` itself without seeds)."""
+        return [self.out / f"seed{s}" for s in self.cfg.seed_list()] or [self.out]
 
     def seed_folder(self, i: int) -> Folder:
         seeds = self.cfg.seed_list()
@@ -199,7 +197,7 @@ class Plan:
         """The comparison over seeds (one seed's comparison is written when its runs end: `_close_folder`)."""
         if not self.cfg.seed_list():
             return
-        seed_dirs = [f.out for f in self.folders()]
+        seed_dirs = self.dirs()
         table = write_seed_comparison(self.out, seed_dirs, self.cfg.algorithms(),
                                       f"# Comparison over seeds {self.cfg.seeds} on {self.first.summary()}")
         if self.cfg.plots:
@@ -223,7 +221,7 @@ def _plan(cfg: Config, out: Path, resume: bool, data: FederatedData | None, log:
 def _run_plans(plans: list[Plan], log: Callable[[str], None], stop_after: int | None) -> list[dict]:
     for plan in plans:
         plan.begin()
-    seeds = [(plan, i) for plan in plans for i in range(len(plan.folders()))]
+    seeds = [(plan, i) for plan in plans for i in range(len(plan.dirs()))]
     if _batched(plans[0].cfg, [r for plan, _ in seeds for r in plan.runs]):  # side by side, a seed's data shared
         groups = _memory_steps(seeds, log)
     else:  # one seed's runs in memory at a time
