@@ -204,6 +204,10 @@ def test_a_pool_runs_every_callers_tasks_in_order_under_its_grad_mode_and_rerais
         assert all(results[k] == ([0, 1, 4, 9, 16], [False] * 3) for k in range(3))
         assert pool.map([torch.get_num_threads for _ in range(4)]) == [1] * 4  # a worker's ops on one thread
         assert pool.map([lambda: pool.map([lambda: 7, lambda: 8])]) == [[7, 8]]  # a task's tasks run in place
+        empty = threading.Thread(target=pool.map, args=([],))  # a caller with nothing to do (and no CPU served)
+        empty.start()
+        empty.join()
+        assert pool.map([lambda: 5]) == [5]  # leaves nothing queued for a worker to take
         done.clear()
 
         def fails():
@@ -230,6 +234,42 @@ def test_runs_alone_and_in_a_job_write_the_same_files(tmp_path):
             b = np.load(tmp_path / "alone" / "seed0" / name / "alpha.npz")
             assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
+
+
+def test_a_free_worker_takes_the_task_of_the_caller_served_least():
+    """Fair shares: a caller of many small tasks is not queued behind a caller of large ones. One worker, held by a
+    blocker while caller A (three tasks of ~50 ms CPU each) and then caller B (three tiny tasks) queue: A's first
+    task runs, then B's three (B has had no CPU yet), then A's others; first come first served would run A, A, A."""
+    pool = WorkerPool(1)
+    order, hold = [], threading.Event()
+
+    def busy(name):
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        order.append(name)
+
+    try:
+        blocker = threading.Thread(target=pool.map, args=([hold.wait],))
+        blocker.start()
+        while not any(t.is_alive() for t in threading.enumerate() if t.name == "pfedkit-worker"):
+            time.sleep(0.01)
+        time.sleep(0.1)  # the worker has taken the blocker
+        a = threading.Thread(target=pool.map, args=([lambda i=i: busy(f"A{i}") for i in range(3)],))
+        a.start()
+        time.sleep(0.1)  # A queued first
+        b = threading.Thread(target=pool.map, args=([lambda i=i: order.append(f"B{i}") for i in range(3)],))
+        b.start()
+        time.sleep(0.1)
+        hold.set()
+        for t in (blocker, a, b):
+            t.join()
+        assert order == ["A0", "B0", "B1", "B2", "A1", "A2"]
+    finally:
+        hold.set()
+        pool.close()
+    with pytest.raises(RuntimeError, match="stopped"):
+        pool.map([lambda: 1])
 
 
 def test_a_job_goes_in_steps_of_consecutive_seeds_that_fit_its_memory():

@@ -3,9 +3,11 @@ the threads run on separate cores), and the rule that makes a client's arithmeti
 on a CPU every client's ops run on one thread, alone or not."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import queue
 import threading
+import time
 from typing import Callable, TypeVar
 
 import torch
@@ -87,13 +89,17 @@ def _join(thread: threading.Thread, errors: list[BaseException]) -> None:
 
 class WorkerPool:
     """Worker threads kept for a whole job, each on one intra-op thread, that run the tasks of several callers at
-    once (runs side by side: runtime/batch_runs.py): `map(tasks)` queues the caller's tasks behind the others' and
-    returns their results in order once all have run, re-raising the first error. A task runs under its caller's
-    grad mode; a task that maps tasks itself runs them in place (a worker never waits for the workers). It starts
-    the workers it can (RuntimeError if none: a process out of threads)."""
+    once (runs side by side: runtime/batch_runs.py): `map(tasks)` queues the caller's tasks and returns their results
+    in order once all have run, re-raising the first error. A free worker takes the next task of the caller whose
+    tasks have had the least CPU time so far: a run that waits on many small steps (pFedMe's gradient streams) keeps
+    its share beside runs that queue a few large ones, where first-come-first-served starved it. A task runs under
+    its caller's grad mode; a task that maps tasks itself runs them in place (a worker never waits for the workers).
+    It starts the workers it can (RuntimeError if none: a process out of threads)."""
 
     def __init__(self, workers: int):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Condition()
+        self._queued: dict[int, collections.deque] = {}  # caller thread -> its tasks not yet taken
+        self._served: dict[int, float] = collections.defaultdict(float)  # caller thread -> its tasks' CPU seconds
         self._mine = threading.local()
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -108,36 +114,55 @@ class WorkerPool:
             raise RuntimeError("can't start new thread")
         self.workers = len(self._threads)
 
+    def _take(self) -> tuple[int, tuple] | None:
+        """The least-served caller's next task; None once closed and drained."""
+        with self._ready:
+            while not self._queued and not self._closed:
+                self._ready.wait()
+            if not self._queued:
+                return None
+            caller = min(self._queued, key=self._served.__getitem__)
+            tasks = self._queued[caller]
+            item = tasks.popleft()
+            if not tasks:
+                del self._queued[caller]
+            return caller, item
+
     def _work(self) -> None:
         torch.set_num_threads(1)
         self._mine.worker = True
-        while (item := self._queue.get()) is not None:
-            task, grad_mode, future = item
+        while (taken := self._take()) is not None:
+            caller, (task, grad_mode, future) = taken
             if self._closed:
                 future.set_exception(RuntimeError("the job's workers stopped"))
                 continue
+            start = time.thread_time()
             try:
                 with torch.set_grad_enabled(grad_mode):
                     future.set_result(task())
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                 future.set_exception(exc)
+            with self._ready:
+                self._served[caller] += time.thread_time() - start
 
     def map(self, tasks: list[Callable[[], T]]) -> list[T]:
-        if getattr(self._mine, "worker", False):
+        if getattr(self._mine, "worker", False) or not tasks:
             return [task() for task in tasks]
-        if self._closed:
-            raise RuntimeError("the job's workers stopped")
         futures = [concurrent.futures.Future() for _ in tasks]
-        for task, future in zip(tasks, futures):
-            self._queue.put((task, torch.is_grad_enabled(), future))
+        with self._ready:  # checked under the lock: workers leave only once closed with nothing queued
+            if self._closed:
+                raise RuntimeError("the job's workers stopped")
+            self._queued.setdefault(threading.get_ident(), collections.deque()).extend(
+                (task, torch.is_grad_enabled(), future) for task, future in zip(tasks, futures))
+            self._ready.notify_all()
         concurrent.futures.wait(futures)  # all of them, also after an error: none may still hold a model after
         return [f.result() for f in futures]
 
     def close(self) -> None:
         """Stop: the queued tasks fail, the running ones finish, a later `map` raises RuntimeError."""
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
         for thread in self._threads:
             _join(thread, [])
 
