@@ -2,7 +2,7 @@
 our mean ± sample std over seeds next to the paper's number in each cell.
 
 Each column of a table is one preset of `pfedkit/configs/` (`<name>_reduced.yaml` for `--scale reduced`, sized for 2 CPU
-cores; `<name>_converged.yaml` for `--scale converged`, the paper's data per client run until every method is flat;
+cores; `<name>_converged.yaml` for `--scale converged`, the paper's data per client run until the methods are flat;
 `<name>.yaml` the paper's protocol) run with the table's methods and seeds into `<out>/<column>/` (an interrupted
 reproduction resumes where it stopped when run again with the same --out). The table is then written from the runs'
 summary.json and metrics.jsonl files: `<out>/<target>.md` and `<out>/<target>.png`.
@@ -97,7 +97,7 @@ def columns_of(target: Target, dataset: str | None, column: str | None = None) -
 # --scale: (the presets' file suffix, what the scale is)
 SCALES = {"reduced": ("_reduced", "*_reduced.yaml: fewer rounds and samples than the paper, for 2 CPU cores"),
           "converged": ("_converged", "*_converged.yaml: the paper's data per client, 1 local epoch, rounds until "
-                        "every method is flat, for 2 CPU cores"),
+                        "the methods are flat (the Converged? rows say which are), for 2 CPU cores"),
           "full": ("", "the paper's protocol")}
 
 

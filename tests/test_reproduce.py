@@ -83,7 +83,7 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     seed0 = 100 * json.loads((out / "fmnist_10" / "seed0" / "fedrep" / "summary.json").read_text())["personalized_acc"]
     assert cells(text, "fedrep")[0] == f"{seed0:.2f} (1 of 2 seeds)"
     assert cells(text, "pfedhn")[0] == "failed"
-    per_seed, flat = text.split("Per seed (personalized_acc)")[1].split("Converged? ")
+    per_seed, flat = text.split("Per seed (personalized_acc)")[1].split("Converged? The mean")
     assert [line for line in per_seed.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
         [f"| FMNIST 10 | fedrep | {seed0:.2f} | pending |"]
     # one evaluation is too few to say whether a run is flat
@@ -135,7 +135,7 @@ def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five
     results = {column: {"local": [run(0.004), run(-0.005)], "fedavg": [run(0.002), run(0.0062)],
                         "pfedla": [run(None), None]}}
     text = accuracy_table(TARGETS["table1"], results, Path("."), "converged", "0,1")
-    flat = text.split("Converged? ")[1]
+    flat = text.split("Converged? The mean")[1]
     assert "| FMNIST 10 | local | +0.40 | -0.50 | yes |" in flat
     assert "| FMNIST 10 | fedavg | +0.20 | +0.62 | no |" in flat
     assert "| FMNIST 10 | pfedla | – | pending | – |" in flat  # too short a run; not finished
@@ -178,7 +178,7 @@ def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
         ours(folder, "fedtc", (0, 1), "global_acc"), ours(folder, "fedtc", (0, 1), "personalized_acc_weighted"),
         best("personalized_acc_weighted"), ours(folder, "fedtc", (0, 1), "personalized_acc")]
     # converged? per seed the mean of the last 5 evaluations minus the 5 before, from the run's metrics.jsonl
-    flat = text.split("Converged? ")[1]  # the GM section
+    flat = text.split("Converged? The mean")[1]  # the GM section
     for seed in (0, 1):
         rows = [json.loads(line) for line in
                 (folder / f"seed{seed}" / "fedtc" / "metrics.jsonl").read_text().splitlines()]
