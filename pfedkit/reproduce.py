@@ -208,9 +208,9 @@ def drift(values: list[float], window: int = FLAT_WINDOW) -> float | None:
 
 
 def finished(run_dir: Path) -> dict:
+    from .report.plots import read_metrics  # validates each row (one PfedkitError naming the file)
     summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-        if (run_dir / "metrics.jsonl").is_file() else []
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     for key in CURVE_KEYS:
         curve = [r[key] for r in rows if r.get(key) is not None]
         summary[f"{key}_drift"] = drift(curve)

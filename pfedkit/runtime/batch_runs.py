@@ -8,8 +8,8 @@ Nothing a run computes depends on the job: its own work runs on one intra-op thr
 on one thread of a worker, with the client's own seeded generators, as alone; its files, checkpoints and resume are
 its own (tests/test_batch_runs.py holds every algorithm to its metrics alone, and a job killed midway to the
 uninterrupted runs). A job that would not fit the memory goes in steps of consecutive seeds (`steps`, sized by
-experiment._memory_steps under `runtime.job_memory_gb`). On a GPU the runs go one after another: several threads launching kernels and capturing CUDA
-graphs on one device was never measured (docs/performance.md)."""
+experiment._memory_steps under `runtime.job_memory_gb`). On a GPU the runs go one after another: several threads
+launching kernels and capturing CUDA graphs on one device was never measured (docs/performance.md)."""
 from __future__ import annotations
 
 import os
