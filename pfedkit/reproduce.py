@@ -152,6 +152,7 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, column
     With run=False only the table, from the runs finished so far."""
     target = TARGETS[target_name]
     out = Path(out)
+    command = command_line(target.name, scale, seeds, dataset, column, extra)
     columns = columns_of(target, dataset, column)
     configs = [column_config(target, c, scale, seeds, extra or []) for c in columns]  # refuse bad input first
     for column, cfg in zip(columns, configs):
@@ -169,7 +170,7 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, column
         except UpdateError as exc:  # a diverged run is a failed cell; the other methods' cells still count
             log(str(exc))
     results = {c: collect(out / c.folder, cfg) for c, cfg in zip(columns, configs)}
-    text = TABLES[target.name](target, results, out, scale, seeds)
+    text = TABLES[target.name](target, results, out, scale, seeds, command)
     path = out / f"{target.name}.md"
     out.mkdir(parents=True, exist_ok=True)  # --table-only before any run
     atomic_write(path, text.encode())
@@ -251,9 +252,17 @@ def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
     return lines
 
 
-def _header(target: Target, scale: str, seeds: str) -> list[str]:
+def command_line(target: str, scale: str, seeds: str, dataset: str | None = None, column: str | None = None,
+                 extra: list[str] | None = None) -> str:
+    """The command that writes (and resumes) this table, as a reader would retype it."""
+    return " ".join([f"pfedkit reproduce {target}", *([f"--dataset {dataset}"] if dataset else []),
+                     *([f"--column {column}"] if column else []), f"--scale {scale} --seeds {seeds}",
+                     *(f"--set {e}" for e in extra or [])])
+
+
+def _header(target: Target, scale: str, seeds: str, command: str | None) -> list[str]:
     return [f"# pfedkit reproduce {target.name} (--scale {scale}, seeds {seeds})", "",
-            f"Command: `pfedkit reproduce {target.name} --scale {scale} --seeds {seeds}`; presets: pfedkit/configs/ "
+            f"Command: `{command or command_line(target.name, scale, seeds)}`; presets: pfedkit/configs/ "
             f"({SCALES[scale][1]}).",
             ""]
 
@@ -299,10 +308,11 @@ def _mean_of(runs: list | None, key: str) -> float | None:
     return None if stat is None else stat[0]
 
 
-def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
+def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: str,
+                   command: str | None = None) -> str:
     table = papers.TABLE1 if target.name == "table1" else papers.TABLE2
     cols = list(results)
-    lines = _header(target, scale, seeds)
+    lines = _header(target, scale, seeds, command)
     lines.append("| method | " + " | ".join(f"{c.label}: ours | paper" for c in cols) + " |")
     lines.append("|---|" + "---|---|" * len(cols))
     methods = list(dict.fromkeys(m for r in results.values() for m in r))
@@ -327,8 +337,9 @@ def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: 
     return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")) + "\n"
 
 
-def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
-    lines = _header(target, scale, seeds)
+def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: str,
+                 command: str | None = None) -> str:
+    lines = _header(target, scale, seeds, command)
     lines += ["| dataset | method | accuracy %: ours | paper | MB down: ours | MB up+down: ours | MB: paper |",
               "|---|---|---|---|---|---|---|"]
     for c, res in results.items():
@@ -352,8 +363,9 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
     return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")) + "\n"
 
 
-def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
-    lines = _header(target, scale, seeds)
+def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: str,
+                 command: str | None = None) -> str:
+    lines = _header(target, scale, seeds, command)
     for c, res in results.items():
         gains = papers.PFEDCS_GAINS.get(c.key, {})
         ours_cs = res.get("pfedcs") or []
@@ -414,8 +426,9 @@ def _signed(x: float | None) -> str:
     return "–" if x is None else f"{x:+.2f}"
 
 
-def fig6_table(target: Target, results: dict, out: Path, scale: str, seeds: str) -> str:
-    lines = _header(target, scale, seeds)
+def fig6_table(target: Target, results: dict, out: Path, scale: str, seeds: str,
+               command: str | None = None) -> str:
+    lines = _header(target, scale, seeds, command)
     lines += ["| column | seed | layer | self | same labels | similar (all but one label) | others |",
               "|---|---|---|---|---|---|---|"]
     for c in results:

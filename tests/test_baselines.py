@@ -415,13 +415,15 @@ def test_local_on_a_batchnorm_cnn_is_plain_sgd_on_the_clients_own_model():
     assert updates[1] == {"num_samples": client.num_train, "train_loss": pytest.approx(sum(losses) / 2, rel=1e-5)}
 
 
+@pytest.mark.parametrize("epochs", [0, 1], ids=["adapt_steps", "adapt_epochs"])
 @pytest.mark.parametrize("cids", [[3], [0, 2, 3, 5]], ids=["one client", "lockstep"])
-def test_perfedavg_adaptation_is_adapt_steps_of_sgd_on_the_train_stream(cids):
+def test_perfedavg_adaptation_is_adapt_steps_of_sgd_on_the_train_stream(cids, epochs):
     """Before evaluation Per-FedAvg adapts the global model with `adapt_steps` plain SGD steps of alpha = local.lr on
-    batches of local.batch_size from the client's evaluation stream, seeded (seed, round, client, 0xE7A1)."""
+    batches of local.batch_size from the client's evaluation stream, seeded (seed, round, client, 0xE7A1); with
+    `adapt_epochs` = 1, one pass: ceil(n / b) steps, the last batch shorter."""
     lr, b, steps, rnd = 0.1, 15, 2, 3
     cfg, data, model, algo = setup("perfedavg", f"local.lr={lr}", f"local.batch_size={b}",
-                                   f"perfedavg.adapt_steps={steps}")
+                                   f"perfedavg.adapt_steps={steps}", f"perfedavg.adapt_epochs={epochs}")
     w = model.state()
     train_only = data.train_only()
     cohort = Cohort(cids, rnd, train_only, model, cfg.local, [seeded_generator(cfg.seed, rnd, c, 0xE7A1) for c in cids])
@@ -430,7 +432,9 @@ def test_perfedavg_adaptation_is_adapt_steps_of_sgd_on_the_train_stream(cids):
     for cid, got in zip(cids, adapted):
         client = data.client(cid)
         theta = w.double()
-        for idx in reference_stream(client.num_train, b, steps, seeded_generator(cfg.seed, rnd, cid, 0xE7A1)):
+        n = -(-client.num_train // b) if epochs else steps
+        assert n > steps or not epochs  # the epoch is more than adapt_steps: the option is seen
+        for idx in reference_stream(client.num_train, b, n, seeded_generator(cfg.seed, rnd, cid, 0xE7A1)):
             theta = theta - lr * torch.func.grad(f)(theta, client.x_train[idx], client.y_train[idx])
         assert torch.allclose(got.double(), theta, atol=1e-6), cid
 

@@ -181,3 +181,24 @@ def test_speed_keys_of_earlier_versions_are_read_under_the_runtime_section(tmp_p
     assert "threads" not in dump_config(cfg).split("runtime:")[0]  # written back under the present names only
     with pytest.raises(ConfigError, match="runtime.threads"):
         load_config(None, ["threads=-1"])
+
+
+@pytest.mark.parametrize("spec, key", [
+    ("pfedme@local.lr=0.01", "local.lr"),  # pFedMe's steps are eta and personal_lr
+    ("perfedavg@local.momentum=0.9", "local.momentum"),  # plain alpha and beta steps
+    ("pfedhn@local.lr=0.01", "local.lr"),  # its own inner_lr (5e-3 by default) is the step
+    ("pfedhn@inner_steps=5+local.epochs=2", "local.epochs"),  # inner_steps is the local work
+])
+def test_a_local_key_the_solver_ignores_is_refused_with_one_line(spec, key):
+    from pfedkit.algorithms import ALGORITHMS, check_local
+    one = load_config(None, [], spec).for_algorithm(spec)
+    with pytest.raises(ConfigError, match=f"config key '{key}': {one.algorithm_name}'s local solver does not use it"):
+        check_local(ALGORITHMS[one.algorithm_name], one)
+
+
+@pytest.mark.parametrize("spec", ["pfedhn@inner_lr=0+local.lr=0.01", "pfedhn@local.epochs=2",
+                                  "fedavg@local.momentum=0.9", "perfedavg@local.lr=0.01"])
+def test_a_local_key_the_solver_uses_is_accepted(spec):
+    from pfedkit.algorithms import ALGORITHMS, check_local
+    one = load_config(None, [], spec).for_algorithm(spec)
+    check_local(ALGORITHMS[one.algorithm_name], one)

@@ -101,6 +101,11 @@ class Algorithm:
         """Train the cohort's clients from their payloads: (updates, new client states), one per client."""
         raise NotImplementedError
 
+    @classmethod
+    def unused_local_keys(cls, params: Any) -> tuple[str, ...]:
+        """The `local.*` keys its solver ignores under these settings (`unused_local`, the ones it never uses)."""
+        return cls.unused_local
+
     def evaluated_models(self, payloads: list[Message], cstates: list[State], cohort: Cohort) -> list[torch.Tensor]:
         """The vector each client is scored with, built on the client from its eval payload and state (an
         algorithm that fine-tunes before evaluation does it here; `cohort.data` then holds only train splits).
@@ -112,7 +117,7 @@ class Algorithm:
 def check_local(cls: type[Algorithm], cfg: Config) -> None:
     """Refuse `local.*` settings the algorithm's solver would silently ignore."""
     spec_local = [k.split(".", 1)[1] for k in split_spec(cfg.algorithm)[1] if k.startswith("local.")]
-    for key in cls.unused_local:
+    for key in cls.unused_local_keys(cfg.params(cls.name)):
         if key in spec_local or (key in ("momentum", "weight_decay") and getattr(cfg.local, key) > 0):
             own = {"lr": " (its step sizes are its own keys)", "epochs": " (its own keys set the local work)",
                    "steps": " (its own keys set the local work)"}.get(key, "")

@@ -30,7 +30,9 @@ class PerFedAvgParams:
     variant: str = choices("fo", "hf", default="fo")  # first-order or Hessian-free
     beta: float = at_least(0.0, 0.001, open_low=True)  # outer (meta) step
     delta: float = at_least(0.0, 0.001, open_low=True)  # HF finite-difference radius
-    adapt_steps: int = at_least(1, 1)  # SGD steps on train batches before evaluation
+    adapt_steps: int = at_least(1, 1)  # SGD steps on train batches before evaluation (the paper: one)
+    # > 0: that many epochs of SGD instead of `adapt_steps` (FL-bench's evaluation forces fine-tuning >= 1 epoch)
+    adapt_epochs: int = at_least(0, 0, high=10_000)
 
 
 @register
@@ -86,10 +88,12 @@ class PerFedAvg(FedAvg):
                 for i, n in enumerate(cohort.num_samples)], cstates
 
     def adapt_plan(self, hp: LocalConfig) -> LocalConfig:
-        """`adapt_steps` plain SGD steps (lr alpha) on the client's train batches."""
-        return LocalConfig(epochs=0, steps=self.params.adapt_steps, batch_size=hp.batch_size, lr=hp.lr)
+        """`adapt_epochs` epochs, else `adapt_steps` steps, of plain SGD (lr alpha) on the client's train batches."""
+        p = self.params
+        return LocalConfig(epochs=p.adapt_epochs, steps=0 if p.adapt_epochs else p.adapt_steps,
+                           batch_size=hp.batch_size, lr=hp.lr)
 
     def evaluated_models(self, payloads: list[Message], cstates: list[State], cohort: Cohort) -> list[torch.Tensor]:
-        """The global model after `adapt_steps` SGD steps on each client's train batches."""
+        """The global model after the adaptation plan's SGD steps on each client's train batches."""
         adapted, _ = cohort.train(stacked(payloads), hp=self.adapt_plan(cohort.hp))
         return list(adapted)

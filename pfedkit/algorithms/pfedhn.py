@@ -78,6 +78,12 @@ class PFedHN(Algorithm):
     has_global_model = False
     unused_local = ("momentum", "weight_decay")  # inner_momentum / inner_weight_decay set them
 
+    @classmethod
+    def unused_local_keys(cls, params: PFedHNParams) -> tuple[str, ...]:
+        """Also local.lr under its own inner_lr, and local.epochs / steps under its own inner_steps."""
+        return (cls.unused_local + (("lr",) if params.inner_lr > 0 else ())
+                + (("epochs", "steps") if params.inner_steps > 0 else ()))
+
     def __init__(self, params, model, num_clients, seed=0):
         super().__init__(params, model, num_clients, seed)
         self.sequential = params.sequential

@@ -137,7 +137,9 @@ ALGORITHM_MEANINGS: dict[str, str] = {
     "perfedavg.beta": "outer (meta) step β; the inner step α is `local.lr`",
     "perfedavg.delta": "the Hessian-free variant's finite-difference radius δ",
     "perfedavg.adapt_steps": "SGD steps from the global model on the client's *train* batches before it is "
-                             "evaluated",
+                             "evaluated (the Per-FedAvg paper: one)",
+    "perfedavg.adapt_epochs": "> 0: that many epochs of SGD on the train batches instead of `adapt_steps` (FL-bench, "
+                              "whose evaluation fine-tunes Per-FedAvg for at least one epoch)",
     "pfedme.local_rounds": "R: mini-batches per round (batch size `local.batch_size`)",
     "pfedme.local_epochs": "> 0: R covers this many passes over the client's data instead of `local_rounds` "
                            "batches (the pFedLA tables' local epochs)",
@@ -165,8 +167,10 @@ ALGORITHM_MEANINGS: dict[str, str] = {
     "pfedhn.inner_momentum": "the client's SGD momentum on the generated model (`local.momentum` is not read)",
     "pfedhn.inner_weight_decay": "the client's weight decay (`local.weight_decay` is not read)",
     "pfedhn.inner_clip": "the client's gradient norm clip",
-    "pfedhn.inner_steps": "local steps per round (0: the run's `local.epochs`/`steps`; official: 50)",
-    "pfedhn.inner_lr": "the client's SGD step on the generated model: the official trainer's `--inner-lr` (0: `local.lr`)",
+    "pfedhn.inner_steps": "local steps per round (0: the run's `local.epochs`/`steps`; official: 50; > 0 with "
+                           "`pfedhn@local.epochs` or `steps` is refused)",
+    "pfedhn.inner_lr": "the client's SGD step on the generated model: the official trainer's `--inner-lr` (0: `local.lr`; "
+                       "> 0 with `pfedhn@local.lr=...` is refused)",
     "pfedhn.personal_head": "pFedHN-PC: each client keeps its own classifier head, the hypernetwork generates the "
                             "body",
     "pfedhn.sequential": "serve a round's clients one after another (the official trainer's order)",
