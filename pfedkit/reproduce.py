@@ -330,7 +330,8 @@ def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: 
                     {m: _paper_value(table.get(m, {}).get(c.key)) for m in methods}) + " | –" for c in cols) + " |")
     lines += ["", target.what, "Ours: mean ± sample std (n − 1) over seeds; each seed draws its own partition, "
               "initialization and client sampling, the same for every method. –: no entry (FedBN: the model has no "
-              "BatchNorm, as in the paper; Table 1's FedAvg row is not legible in the paper). Majority label: each "
+              "BatchNorm, as in the paper" + ("; Table 1's FedAvg row is not legible in the paper" if table is
+                                              papers.TABLE1 else "") + "). Majority label: each "
               "client always predicts its most frequent training label (a personalized accuracy near it learned "
               "little beyond the label skew). Rank agreement: Kendall's τ-b between our means and the paper's "
               "numbers over the methods both have (+1 the same order, −1 the reverse; p: two-sided, n: methods)."]
