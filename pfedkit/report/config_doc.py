@@ -169,8 +169,8 @@ ALGORITHM_MEANINGS: dict[str, str] = {
     "pfedhn.inner_clip": "the client's gradient norm clip",
     "pfedhn.inner_steps": "local steps per round (0: the run's `local.epochs`/`steps`; official: 50; > 0 with "
                            "`pfedhn@local.epochs` or `steps` is refused)",
-    "pfedhn.inner_lr": "the client's SGD step on the generated model: the official trainer's `--inner-lr` (0: `local.lr`; "
-                       "> 0 with `pfedhn@local.lr=...` is refused)",
+    "pfedhn.inner_lr": "the client's SGD step on the generated model: the official trainer's `--inner-lr` (0: "
+                       "`local.lr`; > 0 with `pfedhn@local.lr=...` is refused)",
     "pfedhn.personal_head": "pFedHN-PC: each client keeps its own classifier head, the hypernetwork generates the "
                             "body",
     "pfedhn.sequential": "serve a round's clients one after another (the official trainer's order)",
