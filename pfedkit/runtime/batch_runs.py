@@ -12,12 +12,12 @@ experiment._memory_steps under `runtime.job_memory_gb`). On a GPU the runs go on
 launching kernels and capturing CUDA graphs on one device was never measured (docs/performance.md)."""
 from __future__ import annotations
 
+import functools
 import os
-import threading
 from typing import Callable, TypeVar
 
 from .runner import ClientRunner
-from .threads import WorkerPool
+from .threads import Worker, WorkerPool
 
 T = TypeVar("T")
 
@@ -87,10 +87,15 @@ def together(jobs: list[Callable[[], T]], runners: list[ClientRunner],
             results[i] = jobs[i]()
         except BaseException as exc:  # noqa: BLE001 - returned in the job's place
             results[i] = exc
-    started, interrupt = [], None
+    started: list[Worker] = []
+    interrupts: list[BaseException] = []
+
+    def interrupted(exc: BaseException) -> None:  # Ctrl-C, pfedkit's SIGTERM (stopping.Stopped): raised as it came
+        interrupts.append(exc)
+        pool.close()  # every run's next map raises: the loops end, their threads with them
     try:
         for i in range(len(jobs)):
-            thread = threading.Thread(target=one, args=(i,), name=f"pfedkit-run-{i}", daemon=True)
+            thread = Worker(functools.partial(one, i), name=f"pfedkit-run-{i}")
             try:
                 thread.start()
             except RuntimeError:  # out of threads: this one runs here, after those started
@@ -98,17 +103,12 @@ def together(jobs: list[Callable[[], T]], runners: list[ClientRunner],
                 continue
             started.append(thread)
         for thread in started:
-            while thread.is_alive():
-                try:
-                    thread.join()
-                except KeyboardInterrupt as exc:  # also pfedkit's SIGTERM (stopping.Stopped): raised as it came
-                    interrupt = exc
-                    pool.close()  # every run's next map raises: the loops end, their threads with them
+            thread.wait(interrupted)
     finally:
         pool.close()
         for runner in runners:
             runner.pool = None
-    interrupt = interrupt or next((r for r in results if isinstance(r, KeyboardInterrupt)), None)
+    interrupt = next(iter(interrupts), None) or next((r for r in results if isinstance(r, KeyboardInterrupt)), None)
     if interrupt is not None:
         raise interrupt
     return results

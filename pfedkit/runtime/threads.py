@@ -57,7 +57,7 @@ def in_threads(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
     started = []
     try:
         for _ in range(workers - 1):
-            helper = threading.Thread(target=work, daemon=True)
+            helper = Worker(work)
             started.append(helper)  # before start: a Ctrl-C inside start() leaves a running thread to join
             try:
                 helper.start()
@@ -69,22 +69,40 @@ def in_threads(workers: int, tasks: list[Callable[[], T]]) -> list[T]:
         errors.append(exc)
     finally:
         for helper in started:
-            _join(helper, errors)
+            helper.wait(errors.append)
         torch.set_num_threads(threads)
     if errors:
         raise errors[0]
     return results
 
 
-def _join(thread: threading.Thread, errors: list[BaseException]) -> None:
-    """Wait for a worker thread even through Ctrl-C (kept in `errors`, which stops the workers after their current
-    task): a thread still inside a PyTorch op while the interpreter exits aborts the process ("terminate called
-    without an active exception", exit -6 instead of Ctrl-C's 130)."""
-    while thread.is_alive():
-        try:
-            thread.join()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by in_threads once every worker has stopped
-            errors.append(exc)
+class Worker:
+    """A daemon thread running `target()` whose end the thread itself records. Not Thread.join and is_alive: in
+    Python 3.11 and 3.12 a join that Ctrl-C interrupts marks a thread that is still running as stopped (bpo-45274's
+    handling releases the lock the running thread holds), is_alive() then says False, and a process that exits
+    meanwhile aborts inside the thread's PyTorch op ("terminate called without an active exception", exit -6
+    instead of Ctrl-C's 130: tests/test_threads.py)."""
+
+    def __init__(self, target: Callable[[], None], name: str | None = None):
+        self._done = threading.Event()
+
+        def body() -> None:
+            try:
+                target()
+            finally:
+                self._done.set()
+        self._thread = threading.Thread(target=body, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait(self, interrupted: Callable[[BaseException], None]) -> None:
+        """Until target() has returned, even through Ctrl-C: each interrupt meanwhile goes to `interrupted`."""
+        while not self._done.is_set():
+            try:
+                self._done.wait()
+            except BaseException as exc:  # noqa: BLE001 - the caller decides (kept, re-raised once all stopped)
+                interrupted(exc)
 
 
 class WorkerPool:
@@ -102,9 +120,9 @@ class WorkerPool:
         self._served: dict[int, float] = collections.defaultdict(float)  # caller thread -> its tasks' CPU seconds
         self._mine = threading.local()
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._threads: list[Worker] = []
         for _ in range(max(1, workers)):
-            thread = threading.Thread(target=self._work, name="pfedkit-worker", daemon=True)
+            thread = Worker(self._work, name="pfedkit-worker")
             try:
                 thread.start()
             except RuntimeError:  # "can't start new thread": the workers there are do it all
@@ -164,7 +182,7 @@ class WorkerPool:
             self._closed = True
             self._ready.notify_all()
         for thread in self._threads:
-            _join(thread, [])
+            thread.wait(lambda exc: None)
 
 
 def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int, cores: int | None = None) -> int:
