@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--scale", choices=("reduced", "converged", "full"), default="reduced", help="reduced: 10-20 "
                      "minutes per column and seed on 2 CPU cores (pfedkit/configs/*/*_reduced.yaml); converged: the "
                      "paper's data per client, run until the methods are flat (*_converged.yaml: Tables 1 and 2, "
-                     "FMNIST 10 clients); full: the paper's protocol")
+                     "FMNIST 10 and 100 clients); full: the paper's protocol")
     rep.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every column, e.g. --set dataset.root=/data (repeatable)")

@@ -251,31 +251,36 @@ def test_every_full_scale_column_is_the_papers_protocol_and_the_docs_table_says_
 
 
 def test_the_converged_scale_gives_every_client_the_papers_data_and_says_which_columns_have_it(capsys):
-    """`--scale converged`: the paper's clients and data per client (the full preset's), every client in every
-    round, the reduced scale's local work, rounds enough for the flatness row's two windows; `--column` picks one
-    column; a column without a converged preset is refused with the list of those that have one."""
+    """`--scale converged`: the paper's clients, participation and data per client (the full preset's), the reduced
+    scale's local work, rounds enough for the flatness row's two windows and for every client to train as long as
+    the 10-client column's methods needed to be flat; `--column` picks one column; a column without a converged
+    preset is refused with the list of those that have one."""
+    def config(target, column, *scale):
+        assert main(["reproduce", target, "--column", column, *scale, "--dry-run"]) == 0
+        (one,) = [json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()]
+        return one
     for target in ("table1", "table2"):
-        assert main(["reproduce", target, "--column", "fmnist_10", "--scale", "converged", "--dry-run"]) == 0
-        (converged,) = [json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()]
-        assert main(["reproduce", target, "--column", "fmnist_10", "--scale", "full", "--dry-run"]) == 0
-        (full,) = [json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()]
-        assert main(["reproduce", target, "--column", "fmnist_10", "--dry-run"]) == 0
-        (reduced,) = [json.loads(line)["config"] for line in capsys.readouterr().out.splitlines()]
-        assert converged["partition"] == full["partition"]  # 10 clients x 700 samples, the paper's split
-        assert converged["clients_per_round"] == full["clients_per_round"] == 0
-        assert converged["local"] == reduced["local"] and converged["algorithm"] == reduced["algorithm"]
-        for method in ("pfedme", "fedrep", "pfedhn", "fedfomo", "pfedla", "heurpfedla"):
-            assert converged[method] == reduced[method], method
-        # Per-FedAvg's beta 0.05 (the reduced runs') diverges after ~170 rounds: a smaller one, and FL-bench's epoch of
-        # fine-tuning before evaluation; the rest as reduced
-        per, per_reduced = converged["perfedavg"], reduced["perfedavg"]
-        assert per["beta"] <= 0.02 < per_reduced["beta"]
-        assert (per["adapt_epochs"], per_reduced["adapt_epochs"]) == (1, 0)
-        assert {**per, "beta": per_reduced["beta"], "adapt_epochs": 0} == per_reduced
-        assert converged["rounds"] % converged["eval_every"] == 0
-        assert converged["rounds"] >= 2 * 5 * converged["eval_every"]  # the flatness row's two windows
-    assert main(["reproduce", "table1", "--column", "fmnist_100", "--scale", "converged", "--dry-run"]) == 2
+        for column in ("fmnist_10", "fmnist_100"):
+            converged = config(target, column, "--scale", "converged")
+            full, reduced = config(target, column, "--scale", "full"), config(target, column)
+            assert converged["partition"] == full["partition"]  # 10 or 100 clients x 700 samples, the paper's split
+            assert converged["clients_per_round"] == full["clients_per_round"]  # all of 10, 10 of 100
+            assert converged["local"] == reduced["local"] and converged["algorithm"] == reduced["algorithm"]
+            for method in ("pfedme", "fedrep", "pfedhn", "fedfomo", "pfedla", "heurpfedla"):
+                assert converged[method] == reduced[method], method
+            # Per-FedAvg's beta 0.05 (the reduced runs') diverges after ~170 rounds: a smaller one, and FL-bench's
+            # epoch of fine-tuning before evaluation; the rest as reduced
+            per, per_reduced = converged["perfedavg"], reduced["perfedavg"]
+            assert per["beta"] <= 0.02 < per_reduced["beta"]
+            assert (per["adapt_epochs"], per_reduced["adapt_epochs"]) == (1, 0)
+            assert {**per, "beta": per_reduced["beta"], "adapt_epochs": 0} == per_reduced
+            assert converged["rounds"] % converged["eval_every"] == 0
+            assert converged["rounds"] >= 2 * 5 * converged["eval_every"]  # the flatness row's two windows
+            clients = converged["partition"]["num_clients"]
+            share = (converged["clients_per_round"] or clients) / clients
+            assert converged["rounds"] * share >= 170  # epochs a client: Local and pFedLA flat from 170 at 10 clients
+    assert main(["reproduce", "table1", "--column", "emnist_10", "--scale", "converged", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert "FMNIST 100 has no --scale converged preset" in err and "table1_fmnist_10clients_converged.yaml" in err
+    assert "EMNIST 10 has no --scale converged preset" in err and "table1_fmnist_100clients_converged.yaml" in err
     assert main(["reproduce", "table1", "--dataset", "fmnist", "--column", "mnist_10", "--dry-run"]) == 2
     assert "no column 'mnist_10'; allowed: fmnist_10, fmnist_100" in capsys.readouterr().err
