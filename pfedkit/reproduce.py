@@ -134,10 +134,14 @@ def resolved(target_name: str, *, dataset: str | None = None, column: str | None
         for c in columns_of(target, dataset, column)]
 
 
-def check_same_config(folder: Path, cfg) -> None:
+def check_same_config(folder: Path, cfg, some_methods: bool = False) -> None:
     """A folder is resumed with the config it was started with; a different preset, --seeds or --set would
-    silently be ignored (and the table would mix two protocols), so it is refused."""
+    silently be ignored (and the table would mix two protocols), so it is refused. `some_methods` (--table-only):
+    a folder that `pfedkit run` of the column's preset wrote with some of the table's methods is read too (the
+    others' cells say pending)."""
     saved, wanted = flatten_config(load_config(folder / "config.yaml").to_dict()), flatten_config(cfg.to_dict())
+    if some_methods and set(load_config(folder / "config.yaml").algorithms()) <= set(cfg.algorithms()):
+        saved["algorithm"] = wanted["algorithm"]
     changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k)
                      and not resumable(k, HOW_NOT_WHAT))
     if changed:
@@ -157,7 +161,7 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, column
     configs = [column_config(target, c, scale, seeds, extra or []) for c in columns]  # refuse bad input first
     for column, cfg in zip(columns, configs):
         if is_run_folder(out / column.folder):
-            check_same_config(out / column.folder, cfg)
+            check_same_config(out / column.folder, cfg, some_methods=not run)
     for cfg in configs if run else []:  # missing data (EMNIST, CIFAR: where to put the files), before any column
         prepare(cfg.with_seed(cfg.seed_list()[0]) if cfg.seed_list() else cfg)
     if run:  # every column's runs as one job where runtime.batch_runs pays; a resumed column goes on with its config

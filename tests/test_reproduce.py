@@ -94,6 +94,19 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     assert [line for line in flat.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
         ["| FMNIST 10 | fedrep | – | pending | – |"]
     assert not (out / "fmnist_10" / "seed1" / "fedrep" / "summary.json").exists()
+    # a column folder that `pfedkit run` of the preset wrote with some of the table's methods: --table-only reads
+    # it (the others pending); running into it is refused, as any other config is
+    some = tmp_path / "some"
+    assert main(["run", "pfedkit/configs/pfedla/table1_fmnist_10clients_reduced.yaml", "--algorithms", "local,pfedla",
+                 "--set", "seeds=0", *sets(TINY), "--out", str(some / "fmnist_10")]) == 0
+    again = ["reproduce", "table1", "--column", "fmnist_10", "--seeds", "0", "--out", str(some), *sets(TINY)]
+    assert main([*again, "--table-only"]) == 0
+    text = (some / "table1.md").read_text()
+    for method in ("local", "pfedla"):
+        summary = json.loads((some / "fmnist_10" / "seed0" / method / "summary.json").read_text())
+        assert cells(text, method)[0] == f"{100 * summary['personalized_acc']:.2f}", method
+    assert cells(text, "fedavg")[0] == "pending" and cells(text, "pfedhn")[0] == "pending"
+    assert main(again) == 2
 
 
 def hand_tau(xs: list[float], ys: list[float]) -> float:
