@@ -139,8 +139,9 @@ def check_same_config(folder: Path, cfg, some_methods: bool = False) -> None:
     silently be ignored (and the table would mix two protocols), so it is refused. `some_methods` (--table-only):
     a folder that `pfedkit run` of the column's preset wrote with some of the table's methods is read too (the
     others' cells say pending)."""
-    saved, wanted = flatten_config(load_config(folder / "config.yaml").to_dict()), flatten_config(cfg.to_dict())
-    if some_methods and set(load_config(folder / "config.yaml").algorithms()) <= set(cfg.algorithms()):
+    started = load_config(folder / "config.yaml")
+    saved, wanted = flatten_config(started.to_dict()), flatten_config(cfg.to_dict())
+    if some_methods and set(started.algorithms()) <= set(cfg.algorithms()):
         saved["algorithm"] = wanted["algorithm"]
     changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k)
                      and not resumable(k, HOW_NOT_WHAT))
