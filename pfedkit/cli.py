@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                      "pfedkit version (or an edited source) started, mixing the two versions' results")
     rep.add_argument("--table-only", action="store_true", help="run nothing: write the table and figure from the "
                      "runs finished so far in --out (the others' cells say pending)")
+    rep.add_argument("--runs", type=Path, action="append", default=[], metavar="FOLDER", help="with --table-only "
+                     "and --column: read the column's runs from these folders (repeatable), each written by `pfedkit "
+                     "run` of the column's preset with some of the methods and seeds (a column run in parts), "
+                     "instead of <out>/<column>")
     rep.add_argument("--dry-run", action="store_true", help="run and write nothing: print each column's resolved "
                      "config (what its runs' config.yaml would hold) as one JSON object a line")
     return p
@@ -188,7 +192,7 @@ def _command(args) -> int:
             out = args.out
             reproduce(args.target, args.out, dataset=args.dataset, column=args.column, scale=args.scale,
                       seeds=args.seeds, extra=args.overrides, run=not args.table_only,
-                      allow_version_change=args.allow_version_change)
+                      allow_version_change=args.allow_version_change, runs=args.runs)
         elif args.command == "list":
             from .algorithms import ALGORITHMS
             from .config import DATASETS, MODELS, SCHEMES

@@ -134,15 +134,17 @@ def resolved(target_name: str, *, dataset: str | None = None, column: str | None
         for c in columns_of(target, dataset, column)]
 
 
-def check_same_config(folder: Path, cfg, some_methods: bool = False) -> None:
+def check_same_config(folder: Path, cfg, some_runs: bool = False) -> None:
     """A folder is resumed with the config it was started with; a different preset, --seeds or --set would
-    silently be ignored (and the table would mix two protocols), so it is refused. `some_methods` (--table-only):
-    a folder that `pfedkit run` of the column's preset wrote with some of the table's methods is read too (the
-    others' cells say pending)."""
+    silently be ignored (and the table would mix two protocols), so it is refused. `some_runs` (--table-only):
+    a folder that `pfedkit run` of the column's preset wrote with some of the table's methods and seeds is read too
+    (the others' cells say pending)."""
     started = load_config(folder / "config.yaml")
     saved, wanted = flatten_config(started.to_dict()), flatten_config(cfg.to_dict())
-    if some_methods and set(started.algorithms()) <= set(cfg.algorithms()):
+    if some_runs and set(started.algorithms()) <= set(cfg.algorithms()):
         saved["algorithm"] = wanted["algorithm"]
+    if some_runs and started.seed_list() and set(started.seed_list()) <= set(cfg.seed_list()):
+        saved["seeds"] = wanted["seeds"]
     changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k)
                      and not resumable(k, HOW_NOT_WHAT))
     if changed:
@@ -152,17 +154,26 @@ def check_same_config(folder: Path, cfg, some_methods: bool = False) -> None:
 
 def reproduce(target_name: str, out: Path, *, dataset: str | None = None, column: str | None = None,
               scale: str = "reduced", seeds: str = "0,1,2", extra: list[str] | None = None, run: bool = True,
-              log: Callable[[str], None] = print, allow_version_change: bool = False) -> Path:
+              log: Callable[[str], None] = print, allow_version_change: bool = False,
+              runs: list[Path] = ()) -> Path:
     """Run (or resume) every column of a table, then write its markdown table and figure; returns the table.
-    With run=False only the table, from the runs finished so far."""
+    With run=False only the table, from the runs finished so far: those in `<out>/<column>`, or with `runs` those
+    in these folders (one column; each written by `pfedkit run` of its preset with some of the methods and seeds,
+    e.g. a column run in parts on several machines)."""
     target = TARGETS[target_name]
-    out = Path(out)
-    command = command_line(target.name, scale, seeds, dataset, column, extra)
+    out, runs = Path(out), [Path(r) for r in runs]
+    command = command_line(target.name, scale, seeds, dataset, column, extra, runs)
     columns = columns_of(target, dataset, column)
     configs = [column_config(target, c, scale, seeds, extra or []) for c in columns]  # refuse bad input first
-    for column, cfg in zip(columns, configs):
-        if is_run_folder(out / column.folder):
-            check_same_config(out / column.folder, cfg, some_methods=not run)
+    if runs and (run or len(columns) != 1):
+        raise ConfigError("pfedkit reproduce: --runs goes with --table-only and one --column (the folders hold "
+                          "that column's runs)")
+    for folder in runs:
+        if not is_run_folder(folder):
+            raise ConfigError(f"pfedkit reproduce: --runs {folder} is not a folder that pfedkit run wrote")
+    for folder, cfg in [(f, configs[0]) for f in runs] or [(out / c.folder, g) for c, g in zip(columns, configs)]:
+        if is_run_folder(folder):
+            check_same_config(folder, cfg, some_runs=not run)
     for cfg in configs if run else []:  # missing data (EMNIST, CIFAR: where to put the files), before any column
         prepare(cfg.with_seed(cfg.seed_list()[0]) if cfg.seed_list() else cfg)
     if run:  # every column's runs as one job where runtime.batch_runs pays; a resumed column goes on with its config
@@ -174,7 +185,7 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, column
                              for f, cfg in zip(folders, configs)], log=log, allow_version_change=allow_version_change)
         except UpdateError as exc:  # a diverged run is a failed cell; the other methods' cells still count
             log(str(exc))
-    results = {c: collect(out / c.folder, cfg) for c, cfg in zip(columns, configs)}
+    results = {c: collect(runs or [out / c.folder], cfg) for c, cfg in zip(columns, configs)}
     text = TABLES[target.name](target, results, out, scale, seeds, command)
     path = out / f"{target.name}.md"
     out.mkdir(parents=True, exist_ok=True)  # --table-only before any run
@@ -188,14 +199,23 @@ def reproduce(target_name: str, out: Path, *, dataset: str | None = None, column
 FAILED = "failed"  # a run that stopped on non-finite updates (its failed.txt says why); None: not run yet
 
 
-def collect(folder: Path, cfg) -> dict[str, list[dict | str | None]]:
+def collect(folders: list[Path], cfg) -> dict[str, list[dict | str | None]]:
     """Each method's summary per seed: the summary.json dict (with `<metric>_drift` for the tables' metrics, from
-    its metrics.jsonl), FAILED, or None where the run has not finished."""
+    its metrics.jsonl), FAILED, or None where the run has not finished, from whichever of `folders` holds it (a
+    run ended in two of them is refused: which one the table shows would be a guess)."""
     seeds = cfg.seed_list()
-    dirs = [folder / f"seed{s}" for s in seeds] if seeds else [folder]
-    return {name: [finished(d / name) if (d / name / "summary.json").is_file()
-                   else FAILED if (d / name / "failed.txt").is_file() else None for d in dirs]
-            for name in cfg.algorithms()}
+    return {name: [_one_of([f / f"seed{s}" / name if seeds else f / name for f in folders])
+                   for s in seeds or [None]] for name in cfg.algorithms()}
+
+
+def _one_of(run_dirs: list[Path]) -> dict | str | None:
+    ended = [d for d in run_dirs if (d / "summary.json").is_file() or (d / "failed.txt").is_file()]
+    if len(ended) > 1:
+        raise ConfigError(f"pfedkit reproduce: {ended[0]} and {ended[1]} are the same run of the table; "
+                          "give --runs only one of their folders")
+    if not ended:
+        return None
+    return finished(ended[0]) if (ended[0] / "summary.json").is_file() else FAILED
 
 
 # A run has converged when its metric is flat at the end: the mean of its last FLAT_WINDOW evaluations within
@@ -258,11 +278,12 @@ def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
 
 
 def command_line(target: str, scale: str, seeds: str, dataset: str | None = None, column: str | None = None,
-                 extra: list[str] | None = None) -> str:
+                 extra: list[str] | None = None, runs: list[Path] = ()) -> str:
     """The command that writes (and resumes) this table, as a reader would retype it."""
     return " ".join([f"pfedkit reproduce {target}", *([f"--dataset {dataset}"] if dataset else []),
                      *([f"--column {column}"] if column else []), f"--scale {scale} --seeds {seeds}",
-                     *(f"--set {e}" for e in extra or [])])
+                     *(f"--set {e}" for e in extra or []),
+                     *(["--table-only", *(f"--runs {r}" for r in runs)] if runs else [])])
 
 
 def _header(target: Target, scale: str, seeds: str, command: str | None) -> list[str]:

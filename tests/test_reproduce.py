@@ -107,6 +107,40 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
         assert cells(text, method)[0] == f"{100 * summary['personalized_acc']:.2f}", method
     assert cells(text, "fedavg")[0] == "pending" and cells(text, "pfedhn")[0] == "pending"
     assert main(again) == 2
+    # a column run in parts (seed 1's pFedLA and FedAvg in another folder, as on a second machine): --runs reads the
+    # table from both folders, pFedLA's cell the mean ± sample std of its two seeds' summaries
+    part = tmp_path / "part"
+    preset = "pfedkit/configs/pfedla/table1_fmnist_10clients_reduced.yaml"
+    assert main(["run", preset, "--algorithms", "fedavg,pfedla", "--set", "seeds=1", *sets(TINY), "--out",
+                 str(part)]) == 0
+    merged = ["reproduce", "table1", "--column", "fmnist_10", "--seeds", "0,1", "--out", str(tmp_path / "merged"),
+              *sets(TINY), "--table-only", "--runs", str(some / "fmnist_10"), "--runs", str(part)]
+    assert main(merged) == 0
+    text = (tmp_path / "merged" / "table1.md").read_text()
+    pfedla = [100 * json.loads((folder / f"seed{s}" / "pfedla" / "summary.json").read_text())["personalized_acc"]
+              for folder, s in ((some / "fmnist_10", 0), (part, 1))]
+    assert cells(text, "pfedla")[0] == f"{statistics.mean(pfedla):.2f} ± {statistics.stdev(pfedla):.2f}"
+    local = 100 * json.loads((some / "fmnist_10" / "seed0" / "local" / "summary.json").read_text())["personalized_acc"]
+    fedavg = 100 * json.loads((part / "seed1" / "fedavg" / "summary.json").read_text())["personalized_acc"]
+    assert cells(text, "local")[0] == f"{local:.2f} (1 of 2 seeds)"
+    assert cells(text, "fedavg")[0] == f"{fedavg:.2f} (1 of 2 seeds)"
+    assert cells(text, "fedrep")[0] == "pending"
+    assert f"--table-only --runs {some / 'fmnist_10'} --runs {part}`" in text  # the command that wrote it
+    # the same run in two folders, a folder of another protocol, --runs without --table-only: refused, nothing written
+    twice = tmp_path / "twice"
+    assert main(["run", preset, "--algorithms", "pfedla", "--set", "seeds=1", *sets(TINY), "--out", str(twice)]) == 0
+    (tmp_path / "merged" / "table1.md").unlink()
+    capsys.readouterr()
+    assert main([*merged, "--runs", str(twice)]) == 2
+    assert "are the same run of the table" in capsys.readouterr().err
+    other = tmp_path / "other"
+    assert main(["run", preset, "--algorithms", "local", "--set", "seeds=1", *sets(TINY), "--set", "local.lr=0.02",
+                 "--out", str(other)]) == 0
+    assert main([*merged[:-4], "--runs", str(other)]) == 2
+    assert "holds runs of another config (local.lr differ)" in capsys.readouterr().err
+    assert main([arg for arg in merged if arg != "--table-only"]) == 2
+    assert "--runs goes with --table-only" in capsys.readouterr().err
+    assert not (tmp_path / "merged" / "table1.md").exists()
 
 
 def hand_tau(xs: list[float], ys: list[float]) -> float:

@@ -92,7 +92,7 @@ def together(jobs: list[Callable[[], T]], runners: list[ClientRunner],
 
     def interrupted(exc: BaseException) -> None:  # Ctrl-C, pfedkit's SIGTERM (stopping.Stopped): raised as it came
         interrupts.append(exc)
-        pool.close()  # every run's next map raises: the loops end, their threads with them
+        pool.close(interrupts.append)  # every run's next map raises: the loops end, their threads with them
     try:
         for i in range(len(jobs)):
             thread = Worker(functools.partial(one, i), name=f"pfedkit-run-{i}")
@@ -105,7 +105,7 @@ def together(jobs: list[Callable[[], T]], runners: list[ClientRunner],
         for thread in started:
             thread.wait(interrupted)
     finally:
-        pool.close()
+        pool.close(interrupts.append)  # a Ctrl-C while it waits is raised below, after every run ended
         for runner in runners:
             runner.pool = None
     interrupt = next(iter(interrupts), None) or next((r for r in results if isinstance(r, KeyboardInterrupt)), None)

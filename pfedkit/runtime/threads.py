@@ -176,13 +176,17 @@ class WorkerPool:
         concurrent.futures.wait(futures)  # all of them, also after an error: none may still hold a model after
         return [f.result() for f in futures]
 
-    def close(self) -> None:
-        """Stop: the queued tasks fail, the running ones finish, a later `map` raises RuntimeError."""
+    def close(self, interrupted: Callable[[BaseException], None] | None = None) -> None:
+        """Stop: the queued tasks fail, the running ones finish, a later `map` raises RuntimeError. A Ctrl-C while
+        it waits for the running tasks goes to `interrupted`, or without it is raised once they have finished."""
         with self._ready:
             self._closed = True
             self._ready.notify_all()
+        interrupts: list[BaseException] = []
         for thread in self._threads:
-            thread.wait(lambda exc: None)
+            thread.wait(interrupted or interrupts.append)
+        if interrupts:
+            raise interrupts[0]
 
 
 def worker_count(model: FlatModel, runtime: RuntimeConfig, clients: int, cores: int | None = None) -> int:
