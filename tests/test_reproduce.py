@@ -97,9 +97,9 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     assert not (out / "fmnist_10" / "seed1" / "fedrep" / "summary.json").exists()
     # a column folder that `pfedkit run` of the preset wrote with some of the table's methods: --table-only reads
     # it (the others pending); running into it is refused, as any other config is
-    some = tmp_path / "some"
-    assert main(["run", "pfedkit/configs/pfedla/table1_fmnist_10clients_reduced.yaml", "--algorithms", "local,pfedla",
-                 "--set", "seeds=0", *sets(TINY), "--out", str(some / "fmnist_10")]) == 0
+    some, preset = tmp_path / "some", "pfedkit/configs/pfedla/table1_fmnist_10clients_reduced.yaml"
+    assert main(["run", preset, "--algorithms", "local,pfedla", "--set", "seeds=0", *sets(TINY), "--out",
+                 str(some / "fmnist_10")]) == 0
     again = ["reproduce", "table1", "--column", "fmnist_10", "--seeds", "0", "--out", str(some), *sets(TINY)]
     assert main([*again, "--table-only"]) == 0
     text = (some / "table1.md").read_text()
@@ -111,7 +111,6 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     # a column run in parts (seed 1's pFedLA and FedAvg in another folder, as on a second machine): --runs reads the
     # table from both folders, pFedLA's cell the mean ± sample std of its two seeds' summaries
     part = tmp_path / "part"
-    preset = "pfedkit/configs/pfedla/table1_fmnist_10clients_reduced.yaml"
     assert main(["run", preset, "--algorithms", "fedavg,pfedla", "--set", "seeds=1", *sets(TINY), "--out",
                  str(part)]) == 0
     merged = ["reproduce", "table1", "--column", "fmnist_10", "--seeds", "0,1", "--out", str(tmp_path / "merged"),
