@@ -116,7 +116,8 @@ def test_a_tls_loopback_deployment_gives_the_in_process_metrics_and_resumes_afte
         time.sleep(2)
         assert not (out / "pfedme" / "summary.json").exists()
         run_id = dep.submit(config=tmp_path / "resumed.yaml", out=out, resume=True)
-        assert "completed" in dep.wait(run_id, 600), dep.log_of(run_id)[-2000:]
+        assert "completed" in dep.wait(run_id, 600, ending=lambda: (out / "pfedme" / "summary.json").is_file()), \
+            dep.log_of(run_id)[-2000:]
         assert_same_metrics(out, tmp_path / "resumed_inprocess", ["pfedme"])
     states = sorted(p.name for p in (out / ".client_states" / "pfedme").iterdir())
     assert states == ["client0", "client1"]  # what the resumed run's clients read back
@@ -132,10 +133,13 @@ def test_faulty_and_dying_supernodes_are_named_and_the_run_goes_on(tmp_path):
     (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
     with Loopback(3, tmp_path / "flwr", node_config={1: "fault='nan'"}) as dep:
         out = tmp_path / "faulty"
-        run_id = dep.submit(config=tmp_path / "cfg.yaml", out=out, timeout=40.0)
+        # the reply timeout is what round 2 waits for the dead node, in training and in evaluation: long enough for a
+        # sound client's first reply (it loads its data) on a loaded machine, short enough not to idle
+        run_id = dep.submit(config=tmp_path / "cfg.yaml", out=out, timeout=15.0)
         wait_for_rows(out / "fedavg", 1, 300)
         dep.kill_node(2)
-        assert "completed" in dep.wait(run_id, 600), dep.log_of(run_id)[-2000:]
+        assert "completed" in dep.wait(run_id, 600, ending=lambda: (out / "fedavg" / "summary.json").is_file()), \
+            dep.log_of(run_id)[-2000:]
         log = dep.log_of(run_id)
         for rnd in (1, 2):
             assert f"round {rnd}: client 1 sent non-finite values in 'weights'" in log
@@ -146,8 +150,8 @@ def test_faulty_and_dying_supernodes_are_named_and_the_run_goes_on(tmp_path):
 
         dep.start_node(2)  # a sound SuperNode for partition 2 again
         stopped = tmp_path / "stopped"
-        run_id = dep.submit(config=tmp_path / "cfg.yaml", out=stopped, timeout=40.0, **{"min-replies": 3})
-        dep.wait(run_id, 300)
+        run_id = dep.submit(config=tmp_path / "cfg.yaml", out=stopped, timeout=15.0, **{"min-replies": 3})
+        dep.wait(run_id, 300, ending=lambda: (stopped / "fedavg" / "failed.txt").is_file())
         failure = (stopped / "fedavg" / "failed.txt").read_text()
         assert failure.startswith("round 1: 2 of 3 clients sent a usable update (at least 3 needed")
         assert "\n" not in failure
