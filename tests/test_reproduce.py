@@ -331,3 +331,34 @@ def test_the_converged_scale_gives_every_client_the_papers_data_and_says_which_c
     assert "EMNIST 10 has no --scale converged preset" in err and "table1_fmnist_100clients_converged.yaml" in err
     assert main(["reproduce", "table1", "--dataset", "fmnist", "--column", "mnist_10", "--dry-run"]) == 2
     assert "no column 'mnist_10'; allowed: fmnist_10, fmnist_100" in capsys.readouterr().err
+
+
+RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results" / "pfedla" / "records"
+KEPT = {".pfedkit-run", "config.yaml", "summary.json", "metrics.jsonl"}  # a run's record: no checkpoint, no observables
+
+
+def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, monkeypatch):
+    """docs/results/pfedla/records/ keeps finished runs' records (what a table reads of a run, a few KB: the converged
+    100-client runs took CPU-hours); each docs table whose command reads them (--runs docs/results/...) is the text
+    that command writes again, and its per-seed cells are the records' own summaries."""
+    monkeypatch.chdir(RECORDS.parents[3])  # the tables name the records by their path in the repository
+    assert {p.name for p in RECORDS.rglob("*") if p.is_file()} <= KEPT
+    tables = [p for p in RECORDS.parent.glob("*.md") if "--runs docs/results/" in p.read_text()]
+    assert tables
+    for table in tables:
+        text = table.read_text()
+        command = text.split("Command: `pfedkit ")[1].split("`;")[0].split()
+        out = tmp_path / table.stem
+        assert main([*command, "--out", str(out)]) == 0
+        assert (out / f"{command[1]}.md").read_text() == text, table.name
+        per_seed = text.split("Per seed (personalized_acc)")[1].split("Converged?")[0]
+        folders = [Path(command[i + 1]) for i, arg in enumerate(command) if arg == "--runs"]
+        seeds = command[command.index("--seeds") + 1].split(",")
+        checked = 0
+        for summary in (f for folder in folders for f in folder.glob("seed*/*/summary.json")):
+            acc = 100 * json.loads(summary.read_text())["personalized_acc"]
+            row = next(line for line in per_seed.splitlines() if f"| {summary.parent.name} |" in line)
+            seed = seeds.index(summary.parent.parent.name.removeprefix("seed"))
+            assert f"{acc:.2f}" == [c.strip() for c in row.strip("|").split("|")][2 + seed], (table.name, summary)
+            checked += 1
+        assert checked, table.name
