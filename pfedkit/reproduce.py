@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 from scipy import stats
 
-from .config import BATCHNORM_MODELS, load_config
+from .config import BATCHNORM_MODELS, algorithm_sections, load_config
 from .engine.files import RESUMABLE_KEYS, atomic_write, flatten_config, resumable
 from .errors import ConfigError, UpdateError
 from .experiment import is_run_folder, prepare, run_experiments
@@ -138,11 +138,14 @@ def check_same_config(folder: Path, cfg, some_runs: bool = False) -> None:
     """A folder is resumed with the config it was started with; a different preset, --seeds or --set would
     silently be ignored (and the table would mix two protocols), so it is refused. `some_runs` (--table-only):
     a folder that `pfedkit run` of the column's preset wrote with some of the table's methods and seeds is read too
-    (the others' cells say pending)."""
+    (the others' cells say pending), whatever the sections of the methods it did not run say: each algorithm reads
+    only its own, so a preset's change to one method leaves the kept runs of the others valid."""
     started = load_config(folder / "config.yaml")
     saved, wanted = flatten_config(started.to_dict()), flatten_config(cfg.to_dict())
     if some_runs and set(started.algorithms()) <= set(cfg.algorithms()):
         saved["algorithm"] = wanted["algorithm"]
+        not_run = set(algorithm_sections()) - set(started.algorithms())
+        saved, wanted = ({k: v for k, v in d.items() if k.split(".")[0] not in not_run} for d in (saved, wanted))
     if some_runs and started.seed_list() and set(started.seed_list()) <= set(cfg.seed_list()):
         saved["seeds"] = wanted["seeds"]
     changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k)

@@ -120,9 +120,10 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     pfedla = [100 * json.loads((folder / f"seed{s}" / "pfedla" / "summary.json").read_text())["personalized_acc"]
               for folder, s in ((some / "fmnist_10", 0), (part, 1))]
     assert cells(text, "pfedla")[0] == f"{statistics.mean(pfedla):.2f} ± {statistics.stdev(pfedla):.2f}"
-    local = 100 * json.loads((some / "fmnist_10" / "seed0" / "local" / "summary.json").read_text())["personalized_acc"]
+    local = [100 * json.loads((some / "fmnist_10" / "seed0" / "local" / "summary.json").read_text())
+             ["personalized_acc"]]
     fedavg = 100 * json.loads((part / "seed1" / "fedavg" / "summary.json").read_text())["personalized_acc"]
-    assert cells(text, "local")[0] == f"{local:.2f} (1 of 2 seeds)"
+    assert cells(text, "local")[0] == f"{local[0]:.2f} (1 of 2 seeds)"
     assert cells(text, "fedavg")[0] == f"{fedavg:.2f} (1 of 2 seeds)"
     assert cells(text, "fedrep")[0] == "pending"
     assert f"--table-only --runs {some / 'fmnist_10'} --runs {part}`" in text  # the command that wrote it
@@ -138,6 +139,20 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
                  "--out", str(other)]) == 0
     assert main([*merged[:-4], "--runs", str(other)]) == 2
     assert "holds runs of another config (local.lr differ)" in capsys.readouterr().err
+    # a setting of a method a folder did not run leaves its runs of the protocol (each method reads its own section:
+    # a preset's later change to one method keeps the others' kept runs); of a method it ran, it does not
+    for name, algorithms in (("elsewhere", "local"), ("changed", "pfedla")):
+        assert main(["run", preset, "--algorithms", algorithms, "--set", "seeds=1", *sets(TINY), "--set",
+                     "pfedla.hn_lr=0.05", "--out", str(tmp_path / name)]) == 0
+    assert main([*merged, "--runs", str(tmp_path / "elsewhere")]) == 0
+    local.append(100 * json.loads((tmp_path / "elsewhere" / "seed1" / "local" / "summary.json").read_text())
+                 ["personalized_acc"])
+    assert cells((tmp_path / "merged" / "table1.md").read_text(), "local")[0] == \
+        f"{statistics.mean(local):.2f} ± {statistics.stdev(local):.2f}"
+    (tmp_path / "merged" / "table1.md").unlink()
+    capsys.readouterr()
+    assert main([*merged[:-2], "--runs", str(tmp_path / "changed")]) == 2
+    assert "holds runs of another config (pfedla.hn_lr differ)" in capsys.readouterr().err
     assert main([arg for arg in merged if arg != "--table-only"]) == 2
     assert "--runs goes with --table-only" in capsys.readouterr().err
     assert not (tmp_path / "merged" / "table1.md").exists()
