@@ -259,13 +259,15 @@ def mean_std(runs: list, key: str, scale: float = 100.0) -> tuple[float, float, 
 
 
 def fmt(runs: list, key: str) -> str:
-    """mean ± sample std over the seeds that finished ("(2 of 3 seeds)" when some have not); else failed/pending."""
+    """mean ± sample std over the seeds that finished ("(2 of 3 seeds)" when some have not, "1 failed" when one
+    of those diverged); else failed/pending."""
     stat = mean_std(runs, key)
     if stat is None:
         return FAILED if FAILED in runs else "pending"
     mean, std, n = stat
     text = f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
-    return text if n == len(runs) else f"{text} ({n} of {len(runs)} seeds)"
+    failed = f", {runs.count(FAILED)} {FAILED}" if FAILED in runs else ""
+    return text if n == len(runs) else f"{text} ({n} of {len(runs)} seeds{failed})"
 
 
 def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:

@@ -82,12 +82,15 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     seed1 = out / "fmnist_10" / "seed1"
     (seed1 / "pfedhn" / "summary.json").rename(seed1 / "pfedhn" / "failed.txt")
     (out / "fmnist_10" / "seed0" / "pfedhn" / "summary.json").unlink()
+    (seed1 / "fedfomo" / "summary.json").rename(seed1 / "fedfomo" / "failed.txt")  # a seed diverged, one finished
     assert main(["reproduce", "table1", "--dataset", "fmnist", "--seeds", "0,1", "--out", str(out), "--table-only",
                  *sets(TINY)]) == 0
     text = (out / "table1.md").read_text()
     seed0 = 100 * json.loads((out / "fmnist_10" / "seed0" / "fedrep" / "summary.json").read_text())["personalized_acc"]
     assert cells(text, "fedrep")[0] == f"{seed0:.2f} (1 of 2 seeds)"
     assert cells(text, "pfedhn")[0] == "failed"
+    fomo = 100 * json.loads((out / "fmnist_10" / "seed0" / "fedfomo" / "summary.json").read_text())["personalized_acc"]
+    assert cells(text, "fedfomo")[0] == f"{fomo:.2f} (1 of 2 seeds, 1 failed)"
     per_seed, flat = text.split("Per seed (personalized_acc)")[1].split("Converged? The mean")
     assert [line for line in per_seed.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
         [f"| FMNIST 10 | fedrep | {seed0:.2f} | pending |"]
