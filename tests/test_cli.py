@@ -149,12 +149,15 @@ def test_seeds_give_one_folder_each_and_a_mean_std_comparison_that_plot_redraws(
 def test_a_diverging_variant_is_recorded_and_the_others_still_run(tmp_path):
     # a hyperparameter study whose largest step diverges (the pFedCS paper: "too large a lambda diverges")
     out = tmp_path / "study"
-    result = pfedkit("run", "--algorithms", "fedavg@local.lr=1e30,fedavg", "--set", "dataset.name=digits",
-                     "--set", "model.name=dnn", "--set", "rounds=3", *FAST, "--out", str(out))
+    result = pfedkit("run", "--algorithms", "fedavg@local.lr=1e30,perfedavg@beta=1e30,fedavg", "--set",
+                     "dataset.name=digits", "--set", "model.name=dnn", "--set", "rounds=3", *FAST, "--out", str(out))
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert "1 run(s) failed" in last and "fedavg@local.lr=1e30" in last and "non-finite" in last
+    assert "2 run(s) failed" in last and "fedavg@local.lr=1e30" in last and "non-finite" in last
+    # each says what to lower: the step that diverged (Per-FedAvg's meta step)
     assert "non-finite" in (out / "fedavg@local.lr=1e30" / "failed.txt").read_text()
+    assert "lower local.lr" in (out / "fedavg@local.lr=1e30" / "failed.txt").read_text()
+    assert "lower perfedavg.beta" in (out / "perfedavg@beta=1e30" / "failed.txt").read_text()
     assert not (out / "fedavg@local.lr=1e30" / "summary.json").exists()
     assert (out / "fedavg" / "summary.json").is_file()
     table = (out / "comparison.md").read_text()
@@ -162,4 +165,4 @@ def test_a_diverging_variant_is_recorded_and_the_others_still_run(tmp_path):
     assert any(line.startswith("| fedavg | ") and "failed" not in line for line in table.splitlines())
     # a resumed experiment does not retry the failed run (it would fail the same way) and still says so
     resumed = pfedkit("run", "--resume", str(out))
-    assert resumed.returncode != 0 and "1 run(s) failed" in resumed.stderr
+    assert resumed.returncode != 0 and "2 run(s) failed" in resumed.stderr

@@ -40,6 +40,8 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     Params = PerFedAvgParams
     unused_local = ("momentum", "weight_decay")  # the meta-steps are plain steps of alpha and beta
+    # the meta-model's own loss grows over long runs until it overflows, the sooner the larger the meta step
+    divergence_hint = "lower perfedavg.beta (the meta step) or local.lr"
 
     @property
     def batches_per_step(self) -> int:
