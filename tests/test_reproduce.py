@@ -352,12 +352,12 @@ def test_the_converged_scale_gives_every_client_the_papers_data_and_says_which_c
 
 
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results" / "pfedla" / "records"
-KEPT = {".pfedkit-run", "config.yaml", "summary.json", "metrics.jsonl"}  # a run's record: no checkpoint, no observables
+KEPT = {".pfedkit-run", "config.yaml", "summary.json", "metrics.jsonl", "failed.txt"}  # no checkpoint, no observables
 
 
 def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, monkeypatch):
-    """docs/results/pfedla/records/ keeps finished runs' records (what a table reads of a run, a few KB: the converged
-    100-client runs took CPU-hours); each docs table whose command reads them (--runs docs/results/...) is the text
+    """docs/results/pfedla/records/ keeps ended runs' records (what a table reads of a run, a few KB: the converged
+    100-client runs took CPU-hours; a diverged one's failed.txt); each docs table whose command reads them (--runs docs/results/...) is the text
     that command writes again, and its per-seed cells are the records' own summaries."""
     monkeypatch.chdir(RECORDS.parents[3])  # the tables name the records by their path in the repository
     assert {p.name for p in RECORDS.rglob("*") if p.is_file()} <= KEPT
@@ -373,10 +373,12 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
         folders = [Path(command[i + 1]) for i, arg in enumerate(command) if arg == "--runs"]
         seeds = command[command.index("--seeds") + 1].split(",")
         checked = 0
-        for summary in (f for folder in folders for f in folder.glob("seed*/*/summary.json")):
-            acc = 100 * json.loads(summary.read_text())["personalized_acc"]
-            row = next(line for line in per_seed.splitlines() if f"| {summary.parent.name} |" in line)
-            seed = seeds.index(summary.parent.parent.name.removeprefix("seed"))
-            assert f"{acc:.2f}" == [c.strip() for c in row.strip("|").split("|")][2 + seed], (table.name, summary)
+        for ended in (f for folder in folders for name in ("summary.json", "failed.txt")
+                      for f in folder.glob(f"seed*/*/{name}")):  # failed.txt: a run that diverged
+            cell = f"{100 * json.loads(ended.read_text())['personalized_acc']:.2f}" \
+                if ended.name == "summary.json" else "failed"
+            row = next(line for line in per_seed.splitlines() if f"| {ended.parent.name} |" in line)
+            seed = seeds.index(ended.parent.parent.name.removeprefix("seed"))
+            assert cell == [c.strip() for c in row.strip("|").split("|")][2 + seed], (table.name, ended)
             checked += 1
         assert checked, table.name
