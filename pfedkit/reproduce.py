@@ -300,7 +300,7 @@ def _header(target: Target, scale: str, seeds: str, command: str | None) -> list
 
 def _flatness(results: dict, key: str) -> list[str]:
     """Per column, method and seed the metric's drift at the end of the run (points), and whether it is flat in
-    every seed that finished."""
+    every seed: a failed (diverged) seed is not, and while seeds are pending the answer says over how many."""
     seeds = max(len(v) for r in results.values() for v in r.values())
     lines = ["", f"Converged? The mean of the last {FLAT_WINDOW} evaluations minus the mean of the {FLAT_WINDOW} "
              f"before them ({key}, points); flat: within ±{FLAT_POINTS} in every seed (docs/reproduce.md):", "",
@@ -310,7 +310,9 @@ def _flatness(results: dict, key: str) -> list[str]:
         for name, runs in res.items():
             drifts = [metric(r, f"{key}_drift") for r in runs]
             done = [100 * d for d in drifts if d is not None]
-            flat = "–" if not done else "yes" if all(abs(d) <= FLAT_POINTS for d in done) else "no"
+            flat = ("–" if not done else
+                    "no" if any(abs(d) > FLAT_POINTS for d in done) or FAILED in runs else
+                    "yes" if len(done) == len(runs) else f"yes ({len(done)} of {len(runs)} seeds)")
             lines.append(f"| {column.label} | {name} | " + " | ".join(
                 f"{100 * d:+.2f}" if d is not None else "–" if isinstance(r, dict) else r or "pending"
                 for d, r in zip(drifts, runs)) + f" | {flat} |")

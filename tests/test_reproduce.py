@@ -193,7 +193,8 @@ def test_every_accuracy_table_says_how_far_its_ranking_agrees_with_the_papers():
 
 def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five_before():
     """The convergence row of every table: per seed the drift (mean of the last 5 evaluations minus the 5 before,
-    points) and "flat" only when every seed's drift is within 0.5 points; too short a run says –."""
+    points) and "flat" only when every seed's drift is within 0.5 points; too short a run says –, a diverged seed
+    makes it "no", a pending one says over how many seeds it holds."""
     from pfedkit.reproduce import TARGETS, accuracy_table, columns_of, drift
     assert drift([0.1 * i for i in range(12)]) == __import__("pytest").approx(0.5)  # (7+...+11)/5 - (2+...+6)/5
     assert drift([0.8] * 9) is None
@@ -202,12 +203,15 @@ def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five
     def run(acc_drift):
         return {"personalized_acc": 0.9, "majority_label_acc": 0.5, "personalized_acc_drift": acc_drift}
     results = {column: {"local": [run(0.004), run(-0.005)], "fedavg": [run(0.002), run(0.0062)],
-                        "pfedla": [run(None), None]}}
+                        "pfedla": [run(None), None], "fedrep": [run(0.001), None],
+                        "perfedavg": [run(0.001), "failed"]}}
     text = accuracy_table(TARGETS["table1"], results, Path("."), "converged", "0,1")
     flat = text.split("Converged? The mean")[1]
     assert "| FMNIST 10 | local | +0.40 | -0.50 | yes |" in flat
     assert "| FMNIST 10 | fedavg | +0.20 | +0.62 | no |" in flat
     assert "| FMNIST 10 | pfedla | – | pending | – |" in flat  # too short a run; not finished
+    assert "| FMNIST 10 | fedrep | +0.10 | pending | yes (1 of 2 seeds) |" in flat
+    assert "| FMNIST 10 | perfedavg | +0.10 | failed | no |" in flat
 
 
 def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
@@ -357,8 +361,9 @@ KEPT = {".pfedkit-run", "config.yaml", "summary.json", "metrics.jsonl", "failed.
 
 def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, monkeypatch):
     """docs/results/pfedla/records/ keeps ended runs' records (what a table reads of a run, a few KB: the converged
-    100-client runs took CPU-hours; a diverged one's failed.txt); each docs table whose command reads them (--runs docs/results/...) is the text
-    that command writes again, and its per-seed cells are the records' own summaries."""
+    100-client runs took CPU-hours; a diverged one's failed.txt); each docs table whose command reads them
+    (--runs docs/results/...) is the text that command writes again, and its per-seed cells are the records' own
+    summaries."""
     monkeypatch.chdir(RECORDS.parents[3])  # the tables name the records by their path in the repository
     assert {p.name for p in RECORDS.rglob("*") if p.is_file()} <= KEPT
     tables = [p for p in RECORDS.parent.glob("*.md") if "--runs docs/results/" in p.read_text()]
