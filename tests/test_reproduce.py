@@ -311,6 +311,8 @@ def test_every_full_scale_column_is_the_papers_protocol_and_the_docs_table_says_
             assert fedrep["head_epochs"] + fedrep["body_epochs"] == epochs and fedrep["body_epochs"] == 1, name
             assert (pfedhn["inner_lr"], pfedhn["inner_momentum"], pfedhn["inner_weight_decay"],
                     pfedhn["inner_steps"]) == (0.005, 0.9, 5e-5, 0), name
+            # the official trainer serves one client after another (the batched round oscillates at 100 clients)
+            assert pfedhn["sequential"] or "pfedhn" not in cfg["algorithm"].split(","), name
             row = rows[(target, name)]
             assert row[2:9] == [str(clients), str(a_round), str(rounds), str(epochs), "32", str(lr),
                                 str(part["samples_per_client"])], (target, name, row)
@@ -335,8 +337,12 @@ def test_the_converged_scale_gives_every_client_the_papers_data_and_says_which_c
             assert converged["partition"] == full["partition"]  # 10 or 100 clients x 700 samples, the paper's split
             assert converged["clients_per_round"] == full["clients_per_round"]  # all of 10, 10 of 100
             assert converged["local"] == reduced["local"] and converged["algorithm"] == reduced["algorithm"]
-            for method in ("pfedme", "fedrep", "pfedhn", "fedfomo", "pfedla", "heurpfedla"):
+            for method in ("pfedme", "fedrep", "fedfomo", "pfedla", "heurpfedla"):
                 assert converged[method] == reduced[method], method
+            # pFedHN at 100 clients: one client after another, as the official trainer (the batched round oscillates
+            # there); the rest as reduced
+            assert converged["pfedhn"] == {**reduced["pfedhn"],
+                                           "sequential": converged["partition"]["num_clients"] == 100}
             # Per-FedAvg's beta 0.05 (the reduced runs') diverges after ~170 rounds: a smaller one, and FL-bench's
             # epoch of fine-tuning before evaluation; the rest as reduced
             per, per_reduced = converged["perfedavg"], reduced["perfedavg"]
@@ -387,3 +393,25 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
             assert cell == [c.strip() for c in row.strip("|").split("|")][2 + seed], (table.name, ended)
             checked += 1
         assert checked, table.name
+
+
+def test_the_round_probe_tells_the_clients_a_round_trained_from_the_others(tmp_path, capsys):
+    """docs/results/pfedla/probe_rounds.py (the evidence of docs/reproduce.md, 'pFedHN at 100 clients') resumes a
+    finished run and says how much each round moved the trained and the other clients' accuracies. With pFedHN's
+    shared hypernetwork frozen (an lr of 1e-30, no momentum, no weight decay) and only the embeddings learning, a
+    round can move the models of the clients it trained only: the others' change is exactly zero, theirs is not."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("probe_rounds", RECORDS.parent / "probe_rounds.py")
+    probe_rounds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe_rounds)
+    out = tmp_path / "hn"
+    assert main(["run", "--algorithms", "pfedhn", "--set", "dataset.name=digits", "--set", "model.name=mlr",
+                 "--set", "partition.num_clients=8", "--set", "clients_per_round=3", "--set", "rounds=2",
+                 "--set", "local.epochs=1", "--out", str(out)]) == 0
+    rows = probe_rounds.probe(out / "pfedhn", 6, {"hn_lr": 1e-30, "hn_momentum": 0.0, "hn_weight_decay": 0.0,
+                                                  "embed_lr": 5.0}, log=lambda line: None)
+    assert [r["round"] for r in rows] == [3, 4, 5, 6, 7, 8]
+    assert all(r["others_abs"] == 0.0 for r in rows)
+    assert sum(r["trained_abs"] for r in rows) > 0
+    again = probe_rounds.probe(out / "pfedhn", 2, {"embed_lr": 5.0}, log=lambda line: None)  # all of it learns
+    assert sum(r["others_abs"] for r in again) > 0
