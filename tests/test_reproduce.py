@@ -415,3 +415,46 @@ def test_the_round_probe_tells_the_clients_a_round_trained_from_the_others(tmp_p
     assert sum(r["trained_abs"] for r in rows) > 0
     again = probe_rounds.probe(out / "pfedhn", 2, {"embed_lr": 5.0}, log=lambda line: None)  # all of it learns
     assert sum(r["others_abs"] for r in again) > 0
+
+
+def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, capsys):
+    """docs/results/pfedla/trend.py (the evidence of docs/reproduce.md, 'How still is flat?') reads the last 500
+    rounds of each run under a folder. A run climbing 1.6 points per 500 rounds, evaluated every 25 rounds: flat
+    by the criterion at each of its last 20 evaluations (+0.4 points a 125-round window), its trend is the climb.
+    With ±1-point swings on top: its mean, std, trend, the trend's standard error and the criterion's verdicts are
+    the plain formulas' over those 20 evaluations."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trend", RECORDS.parent / "trend.py")
+    trend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trend)
+
+    def write(folder: Path, points: dict[int, float]) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "personalized_acc": p / 100}) + "\n"
+                                                      for r, p in points.items()))
+        return folder
+
+    rounds = list(range(25, 2001, 25))
+    climb = {r: 80 + 0.0032 * r for r in rounds}
+    swings = {r: 80 + 0.0032 * r + (1 if (r // 25) % 2 == 0 else -1) for r in rounds}
+    straight = trend.trend(write(tmp_path / "a" / "seed0" / "local", climb))
+    assert straight["evaluations"] == 20 and abs(straight["trend"] - 1.6) < 1e-9 and straight["trend_se"] < 1e-6
+    assert straight["flat_at"] == 20  # a climb of 0.4 points a window passes the criterion every time
+    got = trend.trend(write(tmp_path / "a" / "seed1" / "local", swings))
+    x = [r for r in rounds if r > 1500]
+    y = [swings[r] for r in x]
+    xm, ym = statistics.mean(x), statistics.mean(y)
+    slope = sum((a - xm) * (b - ym) for a, b in zip(x, y)) / sum((a - xm) ** 2 for a in x)
+    intercept = ym - slope * xm
+    se = (sum((b - slope * a - intercept) ** 2 for a, b in zip(x, y)) / 18 / sum((a - xm) ** 2 for a in x)) ** 0.5
+    curve = [swings[r] for r in rounds]
+    held = sum(abs(statistics.mean(curve[i - 4:i + 1]) - statistics.mean(curve[i - 9:i - 4])) <= 0.5
+               for i, r in enumerate(rounds) if r > 1500)
+    assert held == 10  # the swings add ±0.4 to the climb's +0.4 a window: 0.8, 0.0, 0.8, ...
+    assert abs(got["mean"] - ym) < 1e-9 and abs(got["std"] - statistics.pstdev(y)) < 1e-9
+    assert abs(got["trend"] - 500 * slope) < 1e-9 and abs(got["trend_se"] - 500 * se) < 1e-9
+    assert got["flat_at"] == held and abs(got["final"] - swings[2000]) < 1e-9
+    assert trend.main([str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and out[2].startswith(f"| {tmp_path / 'a' / 'seed0' / 'local'} | 20 | ")
+    assert f"| {500 * slope:+.2f} ± {500 * se:.2f} | 10 of 20 | {swings[2000]:.2f} |" in out[3]

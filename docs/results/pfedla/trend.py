@@ -1,0 +1,56 @@
+"""What the flatness criterion does not see: a slow climb (or fall) over the end of a run, and how far its last
+value lies from the rest of its plateau; the evidence behind docs/reproduce.md, 'How still is flat?'. For every run
+under the folders given (each folder holding a metrics.jsonl is one run), over its evaluations in the last LAST
+rounds: the mean and (population) std of the personalized accuracy, its least-squares trend in points per LAST
+rounds with the trend's standard error, at how many of those evaluations the criterion held (pfedkit.reproduce's
+drift within FLAT_POINTS) and the final value, one markdown row a run.
+
+    python docs/results/pfedla/trend.py [--last 500] FOLDER...
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from pfedkit.report.plots import read_metrics
+from pfedkit.reproduce import FLAT_POINTS, drift
+
+KEY = "personalized_acc"
+
+
+def trend(run_dir: Path, last: int = 500) -> dict:
+    rows = [r for r in read_metrics(run_dir) if r.get(KEY) is not None]
+    rounds = np.array([r["round"] for r in rows], dtype=float)
+    points = np.array([100 * r[KEY] for r in rows])
+    late = rounds > rounds[-1] - last
+    x, y = rounds[late], points[late]
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (slope * x + intercept)  # the slope's standard error: is the trend more than the swings?
+    se = np.sqrt(residual @ residual / (len(x) - 2) / ((x - x.mean()) @ (x - x.mean())))
+    drifts = [drift(list(points[:i + 1])) for i in np.flatnonzero(late)]  # in points, as FLAT_POINTS
+    return {"run": str(run_dir), "evaluations": len(x), "mean": float(y.mean()), "std": float(y.std()),
+            "trend": float(slope * last), "trend_se": float(se * last), "final": float(points[-1]),
+            "flat_at": sum(d is not None and abs(d) <= FLAT_POINTS for d in drifts)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--last", type=int, default=500, help="the end of a run to read, in rounds")
+    parser.add_argument("folders", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    print(f"| run | evaluations | mean % | std | trend, points per {args.last} rounds (± se) | criterion held | "
+          "final % |")
+    print("|---|---|---|---|---|---|---|")
+    for folder in args.folders:
+        for metrics in sorted(folder.rglob("metrics.jsonl")):
+            t = trend(metrics.parent, args.last)
+            print(f"| {t['run']} | {t['evaluations']} | {t['mean']:.2f} | {t['std']:.2f} | {t['trend']:+.2f} ± "
+                  f"{t['trend_se']:.2f} | {t['flat_at']} of {t['evaluations']} | {t['final']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
