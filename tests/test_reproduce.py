@@ -458,3 +458,37 @@ def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, 
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4 and out[2].startswith(f"| {tmp_path / 'a' / 'seed0' / 'local'} | 20 | ")
     assert f"| {500 * slope:+.2f} ± {500 * se:.2f} | 10 of 20 | {swings[2000]:.2f} |" in out[3]
+
+
+def test_how_still_is_flat_reads_from_the_kept_records():
+    """docs/reproduce.md's 'How still is flat?' table (trend per 500 rounds and how often the criterion held, per
+    method, table and seed) is what trend.py computes from the 100-client records, cell by cell."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trend", RECORDS.parent / "trend.py")
+    trend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trend)
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**How still is flat?")
+    section = doc[start:doc.index("\n## ", start)]
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
+
+    def cells(table: int, method: str, seeds: list[int]) -> tuple[str, str]:
+        found = []
+        for seed in seeds:
+            pattern = f"table{table}_fmnist100_seed{seed}_*/seed{seed}/{method}/metrics.jsonl"
+            runs = [p.parent for p in RECORDS.glob(pattern) if not p.parts[-4].endswith(("_batched", "_beta0.005"))]
+            assert len(runs) == 1, (table, method, seed, runs)
+            found.append(trend.trend(runs[0]))
+        return (" / ".join(f"{t['trend']:+.2f}".replace("-", "−") for t in found),
+                " / ".join(str(t["flat_at"]) for t in found))
+
+    for method in ("local", "fedavg", "pfedla", "heurpfedla"):
+        row = rows[f"{method} (seed 0)"]
+        for table in (1, 2):
+            shown, held = cells(table, method, [0])
+            assert f"| {shown} (" in row and f") | {held} |" in row, (method, table, row)
+    for method in ("fedrep", "fedfomo", "pfedme", "pfedhn", "perfedavg"):
+        row = rows[method]
+        for table in (1, 2):
+            shown, held = cells(table, method, [0, 1, 2])
+            assert f"| {shown} (" in row and f") | {held} |" in row, (method, table, row)
