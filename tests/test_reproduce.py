@@ -362,6 +362,17 @@ def test_the_converged_scale_gives_every_client_the_papers_data_and_says_which_c
 
 
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results" / "pfedla" / "records"
+
+
+def results_script(name: str):
+    """An analysis script kept beside the records (docs/results/pfedla/NAME.py), loaded as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, RECORDS.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 KEPT = {".pfedkit-run", "config.yaml", "summary.json", "metrics.jsonl", "failed.txt"}  # no checkpoint, no observables
 
 
@@ -400,10 +411,7 @@ def test_the_round_probe_tells_the_clients_a_round_trained_from_the_others(tmp_p
     finished run and says how much each round moved the trained and the other clients' accuracies. With pFedHN's
     shared hypernetwork frozen (an lr of 1e-30, no momentum, no weight decay) and only the embeddings learning, a
     round can move the models of the clients it trained only: the others' change is exactly zero, theirs is not."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("probe_rounds", RECORDS.parent / "probe_rounds.py")
-    probe_rounds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe_rounds)
+    probe_rounds = results_script("probe_rounds")
     out = tmp_path / "hn"
     assert main(["run", "--algorithms", "pfedhn", "--set", "dataset.name=digits", "--set", "model.name=mlr",
                  "--set", "partition.num_clients=8", "--set", "clients_per_round=3", "--set", "rounds=2",
@@ -423,10 +431,7 @@ def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, 
     by the criterion at each of its last 20 evaluations (+0.4 points a 125-round window), its trend is the climb.
     With ±1-point swings on top: its mean, std, trend, the trend's standard error and the criterion's verdicts are
     the plain formulas' over those 20 evaluations."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("trend", RECORDS.parent / "trend.py")
-    trend = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trend)
+    trend = results_script("trend")
 
     def write(folder: Path, points: dict[int, float]) -> Path:
         folder.mkdir(parents=True)
@@ -463,10 +468,7 @@ def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, 
 def test_how_still_is_flat_reads_from_the_kept_records():
     """docs/reproduce.md's 'How still is flat?' table (trend per 500 rounds and how often the criterion held, per
     method, table and seed) is what trend.py computes from the 100-client records, cell by cell."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("trend", RECORDS.parent / "trend.py")
-    trend = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trend)
+    trend = results_script("trend")
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
     start = doc.index("**How still is flat?")
     section = doc[start:doc.index("\n## ", start)]
