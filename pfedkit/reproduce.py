@@ -221,10 +221,12 @@ def _one_of(run_dirs: list[Path]) -> dict | str | None:
     return finished(ended[0]) if (ended[0] / "summary.json").is_file() else FAILED
 
 
-# A run has converged when its metric is flat at the end: the mean of its last FLAT_WINDOW evaluations within
-# FLAT_POINTS points of the mean of the FLAT_WINDOW before them (two windows average out the evaluation noise of a
-# few hundred test samples a client; a run still rising by more is cut too early, whatever its last value).
-FLAT_WINDOW, FLAT_POINTS = 5, 0.5
+# A run has converged when its metric is flat at the end, by two measures: the mean of its last FLAT_WINDOW
+# evaluations within FLAT_POINTS points of the mean of the FLAT_WINDOW before them (two windows average out the
+# evaluation noise of a few hundred test samples a client; a run still rising by more is cut too early, whatever its
+# last value), and, since two windows pass a climb of up to FLAT_POINTS a window, the least-squares line through the
+# last TREND_EVALUATIONS evaluations rising (or falling) by at most FLAT_POINTS over the rounds they span.
+FLAT_WINDOW, FLAT_POINTS, TREND_EVALUATIONS = 5, 0.5, 20
 CURVE_KEYS = ("personalized_acc", "personalized_acc_weighted", "global_acc_weighted")  # the tables' metrics
 
 
@@ -236,13 +238,35 @@ def drift(values: list[float], window: int = FLAT_WINDOW) -> float | None:
     return float(np.mean(values[-window:]) - np.mean(values[-2 * window:-window]))
 
 
+def fit_line(x, y) -> tuple[float, float]:
+    """The least-squares slope of y over x and its standard error (how far the swings about the line leave it
+    uncertain)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    dx = x - x.mean()
+    slope = float(dx @ (y - y.mean()) / (dx @ dx))
+    residual = y - y.mean() - slope * dx
+    return slope, float(np.sqrt(residual @ residual / (len(x) - 2) / (dx @ dx)))
+
+
+def trend(rounds: list[int], values: list[float], evaluations: int = TREND_EVALUATIONS) -> float | None:
+    """How far a metric still climbs (or falls) at the end of a run: the slope of the least-squares line through its
+    last `evaluations` values times the rounds they span, `evaluations` evaluation intervals (20 evaluations every
+    25 rounds: points per 500 rounds). None with fewer values."""
+    if len(values) < evaluations:
+        return None
+    x = rounds[-evaluations:]
+    return fit_line(x, values[-evaluations:])[0] * (x[-1] - x[0]) * evaluations / (evaluations - 1)
+
+
 def finished(run_dir: Path) -> dict:
     from .report.plots import read_metrics  # validates each row (one PfedkitError naming the file)
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     for key in CURVE_KEYS:
-        curve = [r[key] for r in rows if r.get(key) is not None]
+        evaluated = [r for r in rows if r.get(key) is not None]
+        curve = [r[key] for r in evaluated]
         summary[f"{key}_drift"] = drift(curve)
+        summary[f"{key}_trend"] = trend([r["round"] for r in evaluated], curve)
         summary[f"{key}_best"] = max(curve, default=None)  # the best evaluated round, as pFedMe's code reports
     return summary
 
@@ -299,23 +323,29 @@ def _header(target: Target, scale: str, seeds: str, command: str | None) -> list
 
 
 def _flatness(results: dict, key: str) -> list[str]:
-    """Per column, method and seed the metric's drift at the end of the run (points), and whether it is flat in
-    every seed: a failed (diverged) seed is not, and while seeds are pending the answer says over how many."""
+    """Per column, method and seed how far the metric still moves at the end of the run (the drift between the last
+    two windows and the trend over the last TREND_EVALUATIONS evaluations, points), and whether it is flat in every
+    seed: a failed (diverged) seed is not, and while seeds are pending the answer says over how many."""
     seeds = max(len(v) for r in results.values() for v in r.values())
     lines = ["", f"Converged? The mean of the last {FLAT_WINDOW} evaluations minus the mean of the {FLAT_WINDOW} "
-             f"before them ({key}, points); flat: within ±{FLAT_POINTS} in every seed (docs/reproduce.md):", "",
+             f"before them, then the rise of the least-squares line through the last {TREND_EVALUATIONS} "
+             f"evaluations over the rounds they span ({key}, points; –: too few evaluations); flat: both within "
+             f"±{FLAT_POINTS} in every seed (docs/reproduce.md):", "",
              "| column | method | " + " | ".join(f"seed {i}" for i in range(seeds)) + " | flat |",
              "|---|---|" + "---|" * (seeds + 1)]
+
+    def points(value: float | None) -> str:
+        return "–" if value is None else f"{100 * value:+.2f}"
     for column, res in results.items():
         for name, runs in res.items():
-            drifts = [metric(r, f"{key}_drift") for r in runs]
-            done = [100 * d for d in drifts if d is not None]
-            flat = ("–" if not done else
-                    "no" if any(abs(d) > FLAT_POINTS for d in done) or FAILED in runs else
+            moves = [(metric(r, f"{key}_drift"), metric(r, f"{key}_trend")) for r in runs]
+            done = [(100 * d, None if t is None else 100 * t) for d, t in moves if d is not None]
+            steady = all(abs(d) <= FLAT_POINTS and (t is None or abs(t) <= FLAT_POINTS) for d, t in done)
+            flat = ("–" if not done else "no" if not steady or FAILED in runs else
                     "yes" if len(done) == len(runs) else f"yes ({len(done)} of {len(runs)} seeds)")
             lines.append(f"| {column.label} | {name} | " + " | ".join(
-                f"{100 * d:+.2f}" if d is not None else "–" if isinstance(r, dict) else r or "pending"
-                for d, r in zip(drifts, runs)) + f" | {flat} |")
+                f"{points(d)} / {points(t)}" if d is not None else "–" if isinstance(r, dict) else r or "pending"
+                for (d, t), r in zip(moves, runs)) + f" | {flat} |")
     return lines
 
 

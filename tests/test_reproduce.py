@@ -8,6 +8,8 @@ import shutil
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from pfedkit.cli import main
 from pfedkit.engine import TIMING_KEYS
 
@@ -191,27 +193,43 @@ def test_every_accuracy_table_says_how_far_its_ranking_agrees_with_the_papers():
                  "*rank agreement with the paper*")[0] == "–"
 
 
-def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five_before():
+def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five_before_and_do_not_climb():
     """The convergence row of every table: per seed the drift (mean of the last 5 evaluations minus the 5 before,
-    points) and "flat" only when every seed's drift is within 0.5 points; too short a run says –, a diverged seed
+    points) and the trend (the least-squares line through the last 20 evaluations, its rise over the rounds they
+    span), and "flat" only when both are within 0.5 points in every seed; too short a run says –, a diverged seed
     makes it "no", a pending one says over how many seeds it holds."""
-    from pfedkit.reproduce import TARGETS, accuracy_table, columns_of, drift
-    assert drift([0.1 * i for i in range(12)]) == __import__("pytest").approx(0.5)  # (7+...+11)/5 - (2+...+6)/5
+    import pytest
+    from pfedkit.reproduce import TARGETS, accuracy_table, columns_of, drift, trend
+    assert drift([0.1 * i for i in range(12)]) == pytest.approx(0.5)  # (7+...+11)/5 - (2+...+6)/5
     assert drift([0.8] * 9) is None
+    # a line rising 0.1 an evaluation (every 5 rounds) rises 2.0 over 20 evaluations, whatever came before them
+    assert trend([5 * i for i in range(30)], [7.0] * 10 + [0.1 * i for i in range(20)]) == pytest.approx(2.0)
+    # swings that cancel about the line (+s, -s, -s, +s at evaluations symmetric about the middle) leave it
+    swing = [0.3, -0.3, -0.3, 0.3] * 5
+    assert trend(list(range(20)), [0.1 * i + s for i, s in enumerate(swing)]) == pytest.approx(2.0)
+    # evaluations every 25 rounds: the rise per the 500 rounds 20 of them span; a flat run has none
+    assert trend([25 * i for i in range(1, 21)], [0.01 * i for i in range(20)]) == pytest.approx(0.2)
+    assert trend(list(range(20)), [0.9] * 20) == pytest.approx(0.0)
+    assert trend(list(range(19)), [0.9] * 19) is None
     column = columns_of(TARGETS["table1"], "fmnist")[0]
 
-    def run(acc_drift):
-        return {"personalized_acc": 0.9, "majority_label_acc": 0.5, "personalized_acc_drift": acc_drift}
-    results = {column: {"local": [run(0.004), run(-0.005)], "fedavg": [run(0.002), run(0.0062)],
+    def run(acc_drift, acc_trend=None):
+        return {"personalized_acc": 0.9, "majority_label_acc": 0.5, "personalized_acc_drift": acc_drift,
+                "personalized_acc_trend": acc_trend}
+    results = {column: {"local": [run(0.004, -0.005), run(-0.005, 0.001)], "fedavg": [run(0.002), run(0.0062)],
                         "pfedla": [run(None), None], "fedrep": [run(0.001), None],
-                        "perfedavg": [run(0.001), "failed"]}}
+                        "perfedavg": [run(0.001), "failed"], "pfedme": [run(0.001, 0.006), run(-0.001, 0.002)],
+                        "pfedhn": [run(0.003, -0.0051), run(0.0, 0.0)]}}
     text = accuracy_table(TARGETS["table1"], results, Path("."), "converged", "0,1")
     flat = text.split("Converged? The mean")[1]
-    assert "| FMNIST 10 | local | +0.40 | -0.50 | yes |" in flat
-    assert "| FMNIST 10 | fedavg | +0.20 | +0.62 | no |" in flat
+    assert "| FMNIST 10 | local | +0.40 / -0.50 | -0.50 / +0.10 | yes |" in flat
+    assert "| FMNIST 10 | fedavg | +0.20 / – | +0.62 / – | no |" in flat
     assert "| FMNIST 10 | pfedla | – | pending | – |" in flat  # too short a run; not finished
-    assert "| FMNIST 10 | fedrep | +0.10 | pending | yes (1 of 2 seeds) |" in flat
-    assert "| FMNIST 10 | perfedavg | +0.10 | failed | no |" in flat
+    assert "| FMNIST 10 | fedrep | +0.10 / – | pending | yes (1 of 2 seeds) |" in flat
+    assert "| FMNIST 10 | perfedavg | +0.10 / – | failed | no |" in flat
+    # two windows level, the line through 20 evaluations still climbing (or falling) more than 0.5: not flat
+    assert "| FMNIST 10 | pfedme | +0.10 / +0.60 | -0.10 / +0.20 | no |" in flat
+    assert "| FMNIST 10 | pfedhn | +0.30 / -0.51 | +0.00 / +0.00 | no |" in flat
 
 
 def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
@@ -259,7 +277,7 @@ def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
         assert len(gm) == 10
         expected = statistics.mean(gm[5:]) - statistics.mean(gm[:5])
         row = next(line for line in flat.splitlines() if line.startswith("| Synthetic MLR | fedtc |"))
-        assert [c.strip() for c in row.strip("|").split("|")][2 + seed] == f"{expected:+.2f}"
+        assert [c.strip() for c in row.strip("|").split("|")][2 + seed] == f"{expected:+.2f} / –"  # 10 < 20
 
 
 def test_a_missing_dataset_is_named_with_where_to_put_it_before_anything_runs(tmp_path, capsys):
@@ -391,7 +409,7 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
         out = tmp_path / table.stem
         assert main([*command, "--out", str(out)]) == 0
         assert (out / f"{command[1]}.md").read_text() == text, table.name
-        per_seed = text.split("Per seed (personalized_acc)")[1].split("Converged?")[0]
+        per_seed, converged = text.split("Per seed (personalized_acc)")[1].split("Converged?")
         folders = [Path(command[i + 1]) for i, arg in enumerate(command) if arg == "--runs"]
         seeds = command[command.index("--seeds") + 1].split(",")
         checked = 0
@@ -403,6 +421,14 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
             seed = seeds.index(ended.parent.parent.name.removeprefix("seed"))
             assert cell == [c.strip() for c in row.strip("|").split("|")][2 + seed], (table.name, ended)
             checked += 1
+            if ended.name == "summary.json":  # the Converged? cell: the two windows' drift, the last 20's line
+                rows = [json.loads(line) for line in (ended.parent / "metrics.jsonl").read_text().splitlines()]
+                x, y = np.array([(r["round"], 100 * r["personalized_acc"]) for r in rows
+                                 if r.get("personalized_acc") is not None][-20:]).T
+                rise = np.polyfit(x, y, 1)[0] * (x[-1] - x[0]) * 20 / 19  # the 500 rounds of 20 evaluations
+                row = next(line for line in converged.splitlines() if f"| {ended.parent.name} |" in line)
+                assert [c.strip() for c in row.strip("|").split("|")][2 + seed] == \
+                    f"{y[-5:].mean() - y[-10:-5].mean():+.2f} / {rise:+.2f}", (table.name, ended)
         assert checked, table.name
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pfedkit.report.plots import read_metrics
-from pfedkit.reproduce import FLAT_POINTS, drift
+from pfedkit.reproduce import FLAT_POINTS, drift, fit_line
 
 KEY = "personalized_acc"
 
@@ -27,9 +27,7 @@ def trend(run_dir: Path, last: int = 500) -> dict:
     points = np.array([100 * r[KEY] for r in rows])
     late = rounds > rounds[-1] - last
     x, y = rounds[late], points[late]
-    slope, intercept = np.polyfit(x, y, 1)
-    residual = y - (slope * x + intercept)  # the slope's standard error: is the trend more than the swings?
-    se = np.sqrt(residual @ residual / (len(x) - 2) / ((x - x.mean()) @ (x - x.mean())))
+    slope, se = fit_line(x, y)  # the slope's standard error: is the trend more than the swings?
     drifts = [drift(list(points[:i + 1])) for i in np.flatnonzero(late)]  # in points, as FLAT_POINTS
     return {"run": str(run_dir), "evaluations": len(x), "mean": float(y.mean()), "std": float(y.std()),
             "trend": float(slope * last), "trend_se": float(se * last), "final": float(points[-1]),
