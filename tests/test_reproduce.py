@@ -454,9 +454,9 @@ def test_the_round_probe_tells_the_clients_a_round_trained_from_the_others(tmp_p
 def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, capsys):
     """docs/results/pfedla/trend.py (the evidence of docs/reproduce.md, 'How still is flat?') reads the last 500
     rounds of each run under a folder. A run climbing 1.6 points per 500 rounds, evaluated every 25 rounds: flat
-    by the criterion at each of its last 20 evaluations (+0.4 points a 125-round window), its trend is the climb.
-    With ±1-point swings on top: its mean, std, trend, the trend's standard error and the criterion's verdicts are
-    the plain formulas' over those 20 evaluations."""
+    by the drift at each of its last 20 evaluations (+0.4 points a 125-round window), its trend is the climb. With
+    ±1-point swings on top: its mean, std, trend, the trend's standard error and the drift's verdicts are the plain
+    formulas' over those 20 evaluations. The round a run is flat from, by the whole criterion, is a plain loop's."""
     trend = results_script("trend")
 
     def write(folder: Path, points: dict[int, float]) -> Path:
@@ -488,7 +488,21 @@ def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, 
     assert trend.main([str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4 and out[2].startswith(f"| {tmp_path / 'a' / 'seed0' / 'local'} | 20 | ")
-    assert f"| {500 * slope:+.2f} ± {500 * se:.2f} | 10 of 20 | {swings[2000]:.2f} |" in out[3]
+    assert f"| {500 * slope:+.2f} ± {500 * se:.2f} | 10 of 20 | {swings[2000]:.2f} | not flat |" in out[3]
+    # flat from: the first evaluated round from which the drift and the trend of the last 20 evaluations (points per
+    # the 500 rounds they span) stay within 0.5 at every later evaluation; a run that climbs to the end never is
+    assert straight["flat_from"] is None and got["flat_from"] is None
+    plateau = {r: 80 + 0.01 * min(r, 1000) for r in rounds}  # 0.25 points an evaluation, level from round 1,000
+    curve = [plateau[r] for r in rounds]
+
+    def line_rise(x: list[int], y: list[float]) -> float:
+        xm, ym = statistics.mean(x), statistics.mean(y)
+        return sum((a - xm) * (b - ym) for a, b in zip(x, y)) / sum((a - xm) ** 2 for a in x) * 500
+    holds = [i >= 19 and abs(statistics.mean(curve[i - 4:i + 1]) - statistics.mean(curve[i - 9:i - 4])) <= 0.5
+             and abs(line_rise(rounds[i - 19:i + 1], curve[i - 19:i + 1])) <= 0.5 for i in range(len(rounds))]
+    expected = rounds[next(i for i in range(len(holds)) if all(holds[i:]))]
+    assert 1000 < expected <= 1475  # level for 20 evaluations by round 1,475: both measures are 0 from there
+    assert trend.trend(write(tmp_path / "b" / "seed0" / "local", plateau))["flat_from"] == expected
 
 
 def test_how_still_is_flat_reads_from_the_kept_records():
