@@ -258,6 +258,13 @@ def trend(rounds: list[int], values: list[float], evaluations: int = TREND_EVALU
     return fit_line(x, values[-evaluations:])[0] * (x[-1] - x[0]) * evaluations / (evaluations - 1)
 
 
+def steady(drift_points: float | None, trend_points: float | None) -> bool:
+    """The criterion on one run (both in points): the drift known and within FLAT_POINTS, and the trend within it
+    too where the run has the TREND_EVALUATIONS evaluations to draw it."""
+    return (drift_points is not None and abs(drift_points) <= FLAT_POINTS
+            and (trend_points is None or abs(trend_points) <= FLAT_POINTS))
+
+
 def finished(run_dir: Path) -> dict:
     from .report.plots import read_metrics  # validates each row (one PfedkitError naming the file)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -340,8 +347,7 @@ def _flatness(results: dict, key: str) -> list[str]:
         for name, runs in res.items():
             moves = [(metric(r, f"{key}_drift"), metric(r, f"{key}_trend")) for r in runs]
             done = [(100 * d, None if t is None else 100 * t) for d, t in moves if d is not None]
-            steady = all(abs(d) <= FLAT_POINTS and (t is None or abs(t) <= FLAT_POINTS) for d, t in done)
-            flat = ("–" if not done else "no" if not steady or FAILED in runs else
+            flat = ("–" if not done else "no" if not all(steady(d, t) for d, t in done) or FAILED in runs else
                     "yes" if len(done) == len(runs) else f"yes ({len(done)} of {len(runs)} seeds)")
             lines.append(f"| {column.label} | {name} | " + " | ".join(
                 f"{points(d)} / {points(t)}" if d is not None else "–" if isinstance(r, dict) else r or "pending"

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pfedkit.report.plots import read_metrics
-from pfedkit.reproduce import FLAT_POINTS, drift, fit_line, trend as criterion_trend
+from pfedkit.reproduce import FLAT_POINTS, drift, fit_line, steady, trend as criterion_trend
 
 KEY = "personalized_acc"
 
@@ -30,9 +30,8 @@ def trend(run_dir: Path, last: int = 500) -> dict:
     x, y = rounds[late], points[late]
     slope, se = fit_line(x, y)  # the slope's standard error: is the trend more than the swings?
     drifts = [drift(list(points[:i + 1])) for i in np.flatnonzero(late)]  # in points, as FLAT_POINTS
-    flat = [d is not None and abs(d) <= FLAT_POINTS and t is not None and abs(t) <= FLAT_POINTS
-            for d, t in ((drift(list(points[:i])), criterion_trend(list(rounds[:i]), list(points[:i])))
-                         for i in range(1, len(points) + 1))]
+    flat = [steady(drift(list(points[:i])), criterion_trend(list(rounds[:i]), list(points[:i])))
+            for i in range(1, len(points) + 1)]
     since = next((i for i in range(len(flat)) if all(flat[i:])), None)
     return {"run": str(run_dir), "evaluations": len(x), "mean": float(y.mean()), "std": float(y.std()),
             "trend": float(slope * last), "trend_se": float(se * last), "final": float(points[-1]),
