@@ -4,6 +4,7 @@ missing dataset with one line before anything runs."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -395,44 +396,62 @@ def results_script(name: str):
     return module
 
 
+def record_100(table: int, method: str, seed: int) -> Path:
+    """The kept 100-client run of a method, table and seed that the tables read (not the superseded variants)."""
+    runs = [p.parent for p in RECORDS.glob(f"table{table}_fmnist100_seed{seed}_*/seed{seed}/{method}/metrics.jsonl")
+            if not p.parts[-4].endswith(("_batched", "_beta0.005"))]
+    assert len(runs) == 1, (table, method, seed, runs)
+    return runs[0]
+
+
 KEPT = {".pfedkit-run", "config.yaml", "summary.json", "metrics.jsonl", "failed.txt"}  # no checkpoint, no observables
 
 
 def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, monkeypatch):
-    """docs/results/pfedla/records/ keeps ended runs' records (what a table reads of a run, a few KB: the converged
+    """docs/results/*/records/ keep ended runs' records (what a table reads of a run, a few KB: the converged
     100-client runs took CPU-hours; a diverged one's failed.txt); each docs table whose command reads them
-    (--runs docs/results/...) is the text that command writes again, and its per-seed cells are the records' own
-    summaries."""
+    (--runs docs/results/...) is the text that command writes again, and every per-seed cell of each metric is the
+    records' own summary, every Converged? cell the records' metrics read by a plain mean and least-squares fit."""
     monkeypatch.chdir(RECORDS.parents[3])  # the tables name the records by their path in the repository
-    assert {p.name for p in RECORDS.rglob("*") if p.is_file()} <= KEPT
-    tables = [p for p in RECORDS.parent.glob("*.md") if "--runs docs/results/" in p.read_text()]
-    assert tables
+    results = RECORDS.parents[1]
+    for records in results.glob("*/records"):
+        assert {p.name for p in records.rglob("*") if p.is_file()} <= KEPT, records
+    tables = [p for p in results.glob("*/*.md") if "--runs docs/results/" in p.read_text()]
+    assert {t.parent.name for t in tables} >= {"pfedla"}
     for table in tables:
         text = table.read_text()
         command = text.split("Command: `pfedkit ")[1].split("`;")[0].split()
         out = tmp_path / table.stem
         assert main([*command, "--out", str(out)]) == 0
         assert (out / f"{command[1]}.md").read_text() == text, table.name
-        per_seed, converged = text.split("Per seed (personalized_acc)")[1].split("Converged?")
         folders = [Path(command[i + 1]) for i, arg in enumerate(command) if arg == "--runs"]
         seeds = command[command.index("--seeds") + 1].split(",")
+        per_seed, converged = {}, {}  # metric -> its block: "Per seed (metric):" or "Converged? ... (metric, points"
+        for block in re.split(r"\n(?=Per seed \(|Converged\? )", text):  # a heading and its table
+            if block.startswith(("Per seed (", "Converged? ")):
+                metric = re.search(r"\((\w+)[,)]", block).group(1)
+                (per_seed if block.startswith("Per seed") else converged)[metric] = block
+        assert per_seed and per_seed.keys() == converged.keys(), table.name
+
+        def cell(block: str, method: str, seed: str) -> str:
+            row = next(line for line in block.splitlines() if f"| {method} |" in line)
+            return [c.strip() for c in row.strip("|").split("|")][2 + seeds.index(seed)]
+
         checked = 0
         for ended in (f for folder in folders for name in ("summary.json", "failed.txt")
                       for f in folder.glob(f"seed*/*/{name}")):  # failed.txt: a run that diverged
-            cell = f"{100 * json.loads(ended.read_text())['personalized_acc']:.2f}" \
-                if ended.name == "summary.json" else "failed"
-            row = next(line for line in per_seed.splitlines() if f"| {ended.parent.name} |" in line)
-            seed = seeds.index(ended.parent.parent.name.removeprefix("seed"))
-            assert cell == [c.strip() for c in row.strip("|").split("|")][2 + seed], (table.name, ended)
-            checked += 1
-            if ended.name == "summary.json":  # the Converged? cell: the two windows' drift, the last 20's line
-                rows = [json.loads(line) for line in (ended.parent / "metrics.jsonl").read_text().splitlines()]
-                x, y = np.array([(r["round"], r["personalized_acc"]) for r in rows
-                                 if r.get("personalized_acc") is not None][-20:]).T
-                rise = np.polyfit(x, y, 1)[0] * (x[-1] - x[0]) * 20 / 19  # the rounds 20 evaluations span
-                row = next(line for line in converged.splitlines() if f"| {ended.parent.name} |" in line)
-                assert [c.strip() for c in row.strip("|").split("|")][2 + seed] == \
-                    f"{100 * (y[-5:].mean() - y[-10:-5].mean()):+.2f} / {100 * rise:+.2f}", (table.name, ended)
+            method, seed = ended.parent.name, ended.parent.parent.name.removeprefix("seed")
+            for key in per_seed:
+                expected = f"{100 * json.loads(ended.read_text())[key]:.2f}" \
+                    if ended.name == "summary.json" else "failed"
+                assert cell(per_seed[key], method, seed) == expected, (table.name, ended, key)
+                checked += 1
+                if ended.name == "summary.json":  # the Converged? cell: the two windows' drift, the last 20's line
+                    rows = [json.loads(line) for line in (ended.parent / "metrics.jsonl").read_text().splitlines()]
+                    x, y = np.array([(r["round"], r[key]) for r in rows if r.get(key) is not None][-20:]).T
+                    rise = np.polyfit(x, y, 1)[0] * (x[-1] - x[0]) * 20 / 19  # the rounds 20 evaluations span
+                    assert cell(converged[key], method, seed) == \
+                        f"{100 * (y[-5:].mean() - y[-10:-5].mean()):+.2f} / {100 * rise:+.2f}", (table.name, ended)
         assert checked, table.name
 
 
@@ -509,6 +528,26 @@ def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, 
     assert trend.trend(write(tmp_path / "b" / "seed0" / "local", plateau))["flat_from"] == expected
 
 
+def test_the_100_client_summary_reads_from_the_kept_records():
+    """docs/reproduce.md's 100-client summary (per method and table: the round each seed is flat from, by trend.py,
+    and the mean ± std the table written from the records gives) is what the records say, cell by cell."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("### Tables 1 and 2, FMNIST 100, converged")
+    summary = doc[start:].split("\n\n| method |")[1].split("\n\n")[0]
+    rows = {line.split(" | ")[0].strip("| "): [c.strip() for c in line.strip("|").split("|")]
+            for line in summary.splitlines() if line.startswith("| ") and not line.startswith("| *")}
+    assert len(rows) == 9, rows
+    for table, (flat_cell, ours_cell) in ((1, (1, 2)), (2, (4, 5))):
+        written = (RECORDS.parent / f"converged_table{table}_fmnist100_3seeds.md").read_text()
+        for method, cells in rows.items():
+            flat_from = [trend.trend(record_100(table, method, seed))["flat_from"] for seed in (0, 1, 2)]
+            flat_from = ["–" if found is None else f"{found:,}" for found in flat_from]
+            assert cells[flat_cell] == " / ".join(flat_from), (method, table, cells)
+            ours = next(line for line in written.splitlines() if line.startswith(f"| {method} |")).split(" | ")[1]
+            assert cells[ours_cell].strip("*") == ours, (method, table, cells)
+
+
 def test_how_still_is_flat_reads_from_the_kept_records():
     """docs/reproduce.md's 'How still is flat?' table (trend per 500 rounds and how often the criterion held, per
     method, table and seed) is what trend.py computes from the 100-client records, cell by cell."""
@@ -518,23 +557,13 @@ def test_how_still_is_flat_reads_from_the_kept_records():
     section = doc[start:doc.index("\n## ", start)]
     rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
 
-    def cells(table: int, method: str, seeds: list[int]) -> tuple[str, str]:
-        found = []
-        for seed in seeds:
-            pattern = f"table{table}_fmnist100_seed{seed}_*/seed{seed}/{method}/metrics.jsonl"
-            runs = [p.parent for p in RECORDS.glob(pattern) if not p.parts[-4].endswith(("_batched", "_beta0.005"))]
-            assert len(runs) == 1, (table, method, seed, runs)
-            found.append(trend.trend(runs[0]))
+    def cells(table: int, method: str) -> tuple[str, str]:
+        found = [trend.trend(record_100(table, method, seed)) for seed in (0, 1, 2)]
         return (" / ".join(f"{t['trend']:+.2f}".replace("-", "−") for t in found),
                 " / ".join(str(t["flat_at"]) for t in found))
 
-    for method in ("local", "fedavg", "pfedla", "heurpfedla"):
-        row = rows[f"{method} (seed 0)"]
-        for table in (1, 2):
-            shown, held = cells(table, method, [0])
-            assert f"| {shown} (" in row and f") | {held} |" in row, (method, table, row)
-    for method in ("fedrep", "fedfomo", "pfedme", "pfedhn", "perfedavg"):
+    for method in ("local", "fedavg", "pfedla", "heurpfedla", "fedrep", "fedfomo", "pfedme", "pfedhn", "perfedavg"):
         row = rows[method]
         for table in (1, 2):
-            shown, held = cells(table, method, [0, 1, 2])
+            shown, held = cells(table, method)
             assert f"| {shown} (" in row and f") | {held} |" in row, (method, table, row)
