@@ -441,13 +441,14 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
         for ended in (f for folder in folders for name in ("summary.json", "failed.txt")
                       for f in folder.glob(f"seed*/*/{name}")):  # failed.txt: a run that diverged
             method, seed = ended.parent.name, ended.parent.parent.name.removeprefix("seed")
+            summary = json.loads(ended.read_text()) if ended.name == "summary.json" else None
+            rows = [json.loads(line) for line in (ended.parent / "metrics.jsonl").read_text().splitlines()] \
+                if summary else []
             for key in per_seed:
-                expected = f"{100 * json.loads(ended.read_text())[key]:.2f}" \
-                    if ended.name == "summary.json" else "failed"
+                expected = "failed" if summary is None else f"{100 * summary[key]:.2f}"
                 assert cell(per_seed[key], method, seed) == expected, (table.name, ended, key)
                 checked += 1
-                if ended.name == "summary.json":  # the Converged? cell: the two windows' drift, the last 20's line
-                    rows = [json.loads(line) for line in (ended.parent / "metrics.jsonl").read_text().splitlines()]
+                if summary:  # the Converged? cell: the two windows' drift, the last 20's line
                     x, y = np.array([(r["round"], r[key]) for r in rows if r.get(key) is not None][-20:]).T
                     rise = np.polyfit(x, y, 1)[0] * (x[-1] - x[0]) * 20 / 19  # the rounds 20 evaluations span
                     assert cell(converged[key], method, seed) == \
