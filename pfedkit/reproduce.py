@@ -275,6 +275,9 @@ def finished(run_dir: Path) -> dict:
         summary[f"{key}_drift"] = drift(curve)
         summary[f"{key}_trend"] = trend([r["round"] for r in evaluated], curve)
         summary[f"{key}_best"] = max(curve, default=None)  # the best evaluated round, as pFedMe's code reports
+        last = curve[-TREND_EVALUATIONS:]  # the level a run swings about, and how far (a final cell is one draw)
+        summary[f"{key}_level"] = float(np.mean(last)) if len(last) == TREND_EVALUATIONS else None
+        summary[f"{key}_swing"] = float(np.std(last, ddof=1)) if len(last) == TREND_EVALUATIONS else None
     return summary
 
 
@@ -355,6 +358,23 @@ def _flatness(results: dict, key: str) -> list[str]:
     return lines
 
 
+def _levels(results: dict, key: str) -> list[str]:
+    """Per column, method and seed the mean ± sample std of the last TREND_EVALUATIONS evaluations: the level a
+    run ends at and its swing about it, since a final-round cell (what the papers report) is one draw from them."""
+    seeds = max(len(v) for r in results.values() for v in r.values())
+    lines = ["", f"Last {TREND_EVALUATIONS} evaluations ({key}, %): their mean ± sample std per seed, the level a "
+             "run ends at and its swing; the final-round cells above are one evaluation each (–: too few):", "",
+             "| column | method | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |",
+             "|---|---|" + "---|" * seeds]
+    for column, res in results.items():
+        for name, runs in res.items():
+            cells = [f"{100 * metric(r, f'{key}_level'):.2f} ± {100 * metric(r, f'{key}_swing'):.2f}"
+                     if metric(r, f"{key}_level") is not None else "–" if isinstance(r, dict) else r or "pending"
+                     for r in runs]
+            lines.append(f"| {column.label} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def kendall_tau(ours: dict[str, float | None], paper: dict[str, float | None]) -> str:
     """Kendall's tau-b between our values and the paper's over the methods both have (1: the same order, -1: the
     reverse), with its two-sided p-value (scipy.stats.kendalltau) and the number of methods."""
@@ -404,7 +424,8 @@ def accuracy_table(target: Target, results: dict, out: Path, scale: str, seeds: 
               "client always predicts its most frequent training label (a personalized accuracy near it learned "
               "little beyond the label skew). Rank agreement: Kendall's τ-b between our means and the paper's "
               "numbers over the methods both have (+1 the same order, −1 the reverse; p: two-sided, n: methods)."]
-    return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")) + "\n"
+    return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")
+                     + _levels(results, "personalized_acc")) + "\n"
 
 
 def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: str,
@@ -430,7 +451,8 @@ def table3_table(target: Target, results: dict, out: Path, scale: str, seeds: st
         lines.append(f"| {c.label.split()[0]} | *rank agreement with the paper over k* | {tau} | | | | |")
     lines += ["", target.what, "The paper's MB are for its own model and rounds; compare the trend over k, not "
               "the values. Rank agreement: Kendall's τ-b between our accuracies and the paper's over the k values."]
-    return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")) + "\n"
+    return "\n".join(lines + _per_seed(results, "personalized_acc") + _flatness(results, "personalized_acc")
+                     + _levels(results, "personalized_acc")) + "\n"
 
 
 def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: str,
@@ -471,6 +493,7 @@ def pfedcs_table(target: Target, results: dict, out: Path, scale: str, seeds: st
               "pick, not a held-out choice. Per client: the unweighted mean over clients."]
     lines += _per_seed(results, "global_acc_weighted") + _per_seed(results, "personalized_acc_weighted")
     lines += _flatness(results, "global_acc_weighted") + _flatness(results, "personalized_acc_weighted")
+    lines += _levels(results, "global_acc_weighted") + _levels(results, "personalized_acc_weighted")
     return "\n".join(lines) + "\n"
 
 

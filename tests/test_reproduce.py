@@ -95,11 +95,14 @@ def test_table1_fmnist_writes_ours_beside_the_papers_numbers_and_resumes(tmp_pat
     fomo = 100 * json.loads((out / "fmnist_10" / "seed0" / "fedfomo" / "summary.json").read_text())["personalized_acc"]
     assert cells(text, "fedfomo")[0] == f"{fomo:.2f} (1 of 2 seeds, 1 failed)"
     per_seed, flat = text.split("Per seed (personalized_acc)")[1].split("Converged? The mean")
+    flat, level = flat.split("Last 20 evaluations")
     assert [line for line in per_seed.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
         [f"| FMNIST 10 | fedrep | {seed0:.2f} | pending |"]
     # one evaluation is too few to say whether a run is flat
     assert [line for line in flat.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
         ["| FMNIST 10 | fedrep | – | pending | – |"]
+    assert [line for line in level.splitlines() if line.startswith("| FMNIST 10 | fedrep |")] == \
+        ["| FMNIST 10 | fedrep | – | pending |"]
     assert not (out / "fmnist_10" / "seed1" / "fedrep" / "summary.json").exists()
     # a column folder that `pfedkit run` of the preset wrote with some of the table's methods: --table-only reads
     # it (the others pending); running into it is refused, as any other config is
@@ -194,11 +197,12 @@ def test_every_accuracy_table_says_how_far_its_ranking_agrees_with_the_papers():
                  "*rank agreement with the paper*")[0] == "–"
 
 
-def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five_before_and_do_not_climb():
+def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five_before_and_do_not_climb(tmp_path):
     """The convergence row of every table: per seed the drift (mean of the last 5 evaluations minus the 5 before,
     points) and the trend (the least-squares line through the last 20 evaluations, its rise over the rounds they
     span), and "flat" only when both are within 0.5 points in every seed; too short a run says –, a diverged seed
-    makes it "no", a pending one says over how many seeds it holds."""
+    makes it "no", a pending one says over how many seeds it holds. Beside it, the level each seed ends at: the
+    mean ± sample std of its last 20 evaluations."""
     import pytest
     from pfedkit.reproduce import TARGETS, accuracy_table, columns_of, drift, trend
     assert drift([0.1 * i for i in range(12)]) == pytest.approx(0.5)  # (7+...+11)/5 - (2+...+6)/5
@@ -231,6 +235,24 @@ def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five
     # two windows level, the line through 20 evaluations still climbing (or falling) more than 0.5: not flat
     assert "| FMNIST 10 | pfedme | +0.10 / +0.60 | -0.10 / +0.20 | no |" in flat
     assert "| FMNIST 10 | pfedhn | +0.30 / -0.51 | +0.00 / +0.00 | no |" in flat
+    # and the level each seed ends at with its swing (the last 20 evaluations' mean ± sample std): a final cell is
+    # one draw from it
+    from pfedkit.reproduce import finished
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"personalized_acc": 0.9}))
+    curve = [0.5] * 5 + [0.9, 0.8] * 10  # the last 20: mean 0.85, sample std sqrt(20 * 0.05**2 / 19)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"round": 5 * i, "personalized_acc": a}) + "\n"
+                                                   for i, a in enumerate(curve, 1)))
+    ended = finished(run_dir)
+    assert ended["personalized_acc_level"] == pytest.approx(0.85)
+    assert ended["personalized_acc_swing"] == pytest.approx((20 * 0.05 ** 2 / 19) ** 0.5)
+    results[column]["local"][1] = ended
+    results[column]["fedavg"][0]["personalized_acc_level"] = None  # 19 evaluations or fewer
+    level = accuracy_table(TARGETS["table1"], results, Path("."), "converged", "0,1").split("Last 20 evaluations")[1]
+    assert "| FMNIST 10 | local | – | 85.00 ± 5.13 |" in level
+    assert "| FMNIST 10 | fedrep | – | pending |" in level
+    assert "| FMNIST 10 | perfedavg | – | failed |" in level
 
 
 def test_pfedcs_synthetic_gives_pfedcs_gains_beside_the_papers(tmp_path):
@@ -411,7 +433,8 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
     """docs/results/*/records/ keep ended runs' records (what a table reads of a run, a few KB: the converged
     100-client runs took CPU-hours; a diverged one's failed.txt); each docs table whose command reads them
     (--runs docs/results/...) is the text that command writes again, and every per-seed cell of each metric is the
-    records' own summary, every Converged? cell the records' metrics read by a plain mean and least-squares fit."""
+    records' own summary, every Converged? cell the records' metrics read by a plain mean and least-squares fit, and
+    every Last 20 evaluations cell their mean ± sample std."""
     monkeypatch.chdir(RECORDS.parents[3])  # the tables name the records by their path in the repository
     results = RECORDS.parents[1]
     for records in results.glob("*/records"):
@@ -426,12 +449,13 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
         assert (out / f"{command[1]}.md").read_text() == text, table.name
         folders = [Path(command[i + 1]) for i, arg in enumerate(command) if arg == "--runs"]
         seeds = command[command.index("--seeds") + 1].split(",")
-        per_seed, converged = {}, {}  # metric -> its block: "Per seed (metric):" or "Converged? ... (metric, points"
-        for block in re.split(r"\n(?=Per seed \(|Converged\? )", text):  # a heading and its table
-            if block.startswith(("Per seed (", "Converged? ")):
-                metric = re.search(r"\((\w+)[,)]", block).group(1)
-                (per_seed if block.startswith("Per seed") else converged)[metric] = block
-        assert per_seed and per_seed.keys() == converged.keys(), table.name
+        blocks = {"Per seed (": {}, "Converged? ": {}, "Last 20 evaluations (": {}}  # heading -> metric -> block
+        for block in re.split(r"\n(?=Per seed \(|Converged\? |Last 20 evaluations \()", text):  # heading, table
+            for heading, found in blocks.items():
+                if block.startswith(heading):
+                    found[re.search(r"\((\w+)[,)]", block).group(1)] = block
+        per_seed, converged, levels = blocks.values()
+        assert per_seed and per_seed.keys() == converged.keys() == levels.keys(), table.name
 
         def cell(block: str, method: str, seed: str) -> str:
             row = next(line for line in block.splitlines() if f"| {method} |" in line)
@@ -453,6 +477,8 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
                     rise = np.polyfit(x, y, 1)[0] * (x[-1] - x[0]) * 20 / 19  # the rounds 20 evaluations span
                     assert cell(converged[key], method, seed) == \
                         f"{100 * (y[-5:].mean() - y[-10:-5].mean()):+.2f} / {100 * rise:+.2f}", (table.name, ended)
+                    level, swing = statistics.mean(100 * y), statistics.stdev(100 * y)  # the last 20, n - 1
+                    assert cell(levels[key], method, seed) == f"{level:.2f} ± {swing:.2f}", (table.name, ended)
         assert checked, table.name
 
 
@@ -527,6 +553,16 @@ def test_the_trend_script_reads_a_slow_climb_and_the_swings_around_it(tmp_path, 
     expected = rounds[next(i for i in range(len(holds)) if all(holds[i:]))]
     assert 1000 < expected <= 1475  # level for 20 evaluations by round 1,475: both measures are 0 from there
     assert trend.trend(write(tmp_path / "b" / "seed0" / "local", plateau))["flat_from"] == expected
+    # --metric reads another curve of the same runs (pFedCS's global model): here the climb, not the plateau
+    both = tmp_path / "c" / "seed0" / "pfedcs"
+    both.mkdir(parents=True)
+    (both / "metrics.jsonl").write_text("".join(json.dumps(
+        {"round": r, "personalized_acc": plateau[r] / 100, "global_acc_weighted": climb[r] / 100}) + "\n"
+        for r in rounds))
+    assert trend.trend(both)["flat_from"] == expected
+    assert abs(trend.trend(both, key="global_acc_weighted")["trend"] - 1.6) < 1e-9
+    assert trend.main(["--last", "500", "--metric", "global_acc_weighted", str(tmp_path / "c")]) == 0
+    assert "| +1.60 ± 0.00 | 20 of 20 |" in capsys.readouterr().out
 
 
 def test_the_100_client_summary_reads_from_the_kept_records():
