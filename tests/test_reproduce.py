@@ -604,3 +604,44 @@ def test_how_still_is_flat_reads_from_the_kept_records():
         for table in (1, 2):
             shown, held = cells(table, method)
             assert f"| {shown} (" in row and f") | {held} |" in row, (method, table, row)
+
+
+def test_the_pfedcs_1200_round_probe_reads_from_its_records():
+    """docs/reproduce.md's pFedCS Synthetic probe at 1,200 rounds: its first 600 rounds are the tables' runs, every
+    evaluation; each cell (the GM and PM levels over rounds 501-600 and 1,101-1,200, the trend over the last 100
+    rounds, the GM gain of pFedCS) is a plain mean or least-squares line over the kept records' metrics."""
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**1,200 rounds: the global models still climb.**")
+    rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("| MLR") or
+            line.startswith("| DNN")]
+    assert len(rows) == 3, rows
+    records = RECORDS.parents[1] / "pfedcs" / "records"
+
+    def curve(folder: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return np.array([(r["round"], 100 * r[key]) for r in rows if r.get(key) is not None]).T
+
+    def level(x, y, last: int) -> float:
+        return float(y[(x > last - 100) & (x <= last)].mean())
+
+    def signed(v: float) -> str:
+        return f"{v:+.2f}".replace("-", "−")
+
+    for row in rows:
+        column, seed = re.match(r"\| (MLR|DNN), seed (\d) \|", row).groups()
+        probe = records / f"probe_1200rounds_synthetic_{column.lower()}" / f"seed{seed}"
+        gm, pm = {}, {}
+        for method in ("pfedcs", "fedavg"):
+            table_run = records / f"full_synthetic_{column.lower()}_3seeds" / f"seed{seed}" / method
+            for key, store in (("global_acc_weighted", gm), ("personalized_acc_weighted", pm)):
+                x, y = curve(probe / method, key)
+                x0, y0 = curve(table_run, key)
+                assert x[-1] == 1200 and np.array_equal(x[x <= 600], x0) and np.array_equal(y[x <= 600], y0)
+                rise = np.polyfit(x[-20:], y[-20:], 1)[0] * 100  # points per 100 rounds
+                store[method] = (level(x, y, 600), level(x, y, 1200), rise)
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert cells[0] == f"{gm['pfedcs'][0]:.2f} → {gm['pfedcs'][1]:.2f}", row
+        assert cells[1] == f"{gm['fedavg'][0]:.2f} → {gm['fedavg'][1]:.2f}", row
+        assert cells[2] == f"{signed(gm['pfedcs'][2])} / {signed(gm['fedavg'][2])}", row
+        assert cells[3] == " → ".join(signed(gm["pfedcs"][i] - gm["fedavg"][i]) for i in (0, 1)), row
+        assert cells[4] == f"{pm['pfedcs'][0]:.2f} → {pm['pfedcs'][1]:.2f}", row
