@@ -645,3 +645,29 @@ def test_the_pfedcs_1200_round_probe_reads_from_its_records():
         assert cells[2] == f"{signed(gm['pfedcs'][2])} / {signed(gm['fedavg'][2])}", row
         assert cells[3] == " → ".join(signed(gm["pfedcs"][i] - gm["fedavg"][i]) for i in (0, 1)), row
         assert cells[4] == f"{pm['pfedcs'][0]:.2f} → {pm['pfedcs'][1]:.2f}", row
+
+
+def test_pfedme_at_600_rounds_reads_from_its_records():
+    """docs/reproduce.md, 'pFedMe with one epoch a round', run on to 600 rounds at 10 clients: its first 300 rounds
+    are the tables' runs, every evaluation; each cell (round 300, the 100-round means, the trend over the last 100
+    rounds with its standard error, flat from, round 600) is read from the kept records by a plain mean and fit
+    (trend.py for the standard error and the round the whole criterion holds from)."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**pFedMe to 600 rounds.**")
+    rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("| Table")]
+    assert len(rows) == 4, rows
+    for row in rows:
+        table, seed = re.match(r"\| Table (\d), seed (\d) \|", row).groups()
+        run = RECORDS / f"table{table}_fmnist10_600rounds_pfedme_e1" / f"seed{seed}" / "pfedme"
+        first = RECORDS / f"table{table}_fmnist10_3seeds_pfedme" / f"seed{seed}" / "pfedme"
+        (x, y), (x0, y0) = (np.array([(r["round"], 100 * r["personalized_acc"]) for r in run_rows(folder)
+                                      if r.get("personalized_acc") is not None]).T for folder in (run, first))
+        assert x[-1] == 600 and np.array_equal(x[x <= 300], x0) and np.array_equal(y[x <= 300], y0)
+        found = trend.trend(run, 100)
+        rise = np.polyfit(x[-20:], y[-20:], 1)[0] * 100
+        flat = "–" if found["flat_from"] is None else str(found["flat_from"])
+        means = [f"{y[(x > a) & (x <= a + 100)].mean():.2f}" for a in (200, 300, 400, 500)]
+        expected = [f"{y[x == 300][0]:.2f}", *means,
+                    f"{rise:+.2f} ± {found['trend_se']:.2f}".replace("-", "−"), flat, f"{y[-1]:.2f}"]
+        assert [c.strip() for c in row.strip("|").split("|")][1:] == expected, row
