@@ -656,7 +656,7 @@ def test_pfedme_at_600_rounds_reads_from_its_records():
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
     start = doc.index("**pFedMe to 600 rounds.**")
     rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("| Table")]
-    assert len(rows) == 4, rows
+    assert len(rows) == 6, rows
     for row in rows:
         table, seed = re.match(r"\| Table (\d), seed (\d) \|", row).groups()
         run = RECORDS / f"table{table}_fmnist10_600rounds_pfedme_e1" / f"seed{seed}" / "pfedme"
