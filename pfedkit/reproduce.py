@@ -275,9 +275,9 @@ def finished(run_dir: Path) -> dict:
         summary[f"{key}_drift"] = drift(curve)
         summary[f"{key}_trend"] = trend([r["round"] for r in evaluated], curve)
         summary[f"{key}_best"] = max(curve, default=None)  # the best evaluated round, as pFedMe's code reports
-        last = curve[-TREND_EVALUATIONS:]  # the level a run swings about, and how far (a final cell is one draw)
-        summary[f"{key}_level"] = float(np.mean(last)) if len(last) == TREND_EVALUATIONS else None
-        summary[f"{key}_swing"] = float(np.std(last, ddof=1)) if len(last) == TREND_EVALUATIONS else None
+        last = curve[-TREND_EVALUATIONS:] if len(curve) >= TREND_EVALUATIONS else None  # the level a run swings
+        summary[f"{key}_level"] = None if last is None else float(np.mean(last))  # about (a final cell is one draw)
+        summary[f"{key}_swing"] = None if last is None else float(np.std(last, ddof=1))
     return summary
 
 
@@ -304,16 +304,22 @@ def fmt(runs: list, key: str) -> str:
     return text if n == len(runs) else f"{text} ({n} of {len(runs)} seeds{failed})"
 
 
-def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
+def _seed_table(results: dict, heading: str, cell) -> list[str]:
+    """A block of one row per column and method, one cell per seed: `cell(run)` for a finished run, else the run's
+    state (failed / pending)."""
     seeds = max(len(v) for r in results.values() for v in r.values())
-    header = "| column | method | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |"
-    lines = ["", f"Per seed ({key}):", "", header, "|---|---|" + "---|" * seeds]
+    lines = ["", heading, "", "| column | method | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |",
+             "|---|---|" + "---|" * seeds]
     for column, res in results.items():
         for name, runs in res.items():
-            cells = [f"{metric(r, key) * scale:.2f}" if metric(r, key) is not None else FAILED if r == FAILED
-                     else "pending" for r in runs]
+            cells = [cell(r) if isinstance(r, dict) else r or "pending" for r in runs]
             lines.append(f"| {column.label} | {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _per_seed(results: dict, key: str, scale: float = 100.0) -> list[str]:
+    return _seed_table(results, f"Per seed ({key}):",
+                       lambda r: f"{metric(r, key) * scale:.2f}" if metric(r, key) is not None else "pending")
 
 
 def command_line(target: str, scale: str, seeds: str, dataset: str | None = None, column: str | None = None,
@@ -361,18 +367,12 @@ def _flatness(results: dict, key: str) -> list[str]:
 def _levels(results: dict, key: str) -> list[str]:
     """Per column, method and seed the mean ± sample std of the last TREND_EVALUATIONS evaluations: the level a
     run ends at and its swing about it, since a final-round cell (what the papers report) is one draw from them."""
-    seeds = max(len(v) for r in results.values() for v in r.values())
-    lines = ["", f"Last {TREND_EVALUATIONS} evaluations ({key}, %): their mean ± sample std per seed, the level a "
-             "run ends at and its swing; the final-round cells above are one evaluation each (–: too few):", "",
-             "| column | method | " + " | ".join(f"seed {i}" for i in range(seeds)) + " |",
-             "|---|---|" + "---|" * seeds]
-    for column, res in results.items():
-        for name, runs in res.items():
-            cells = [f"{100 * metric(r, f'{key}_level'):.2f} ± {100 * metric(r, f'{key}_swing'):.2f}"
-                     if metric(r, f"{key}_level") is not None else "–" if isinstance(r, dict) else r or "pending"
-                     for r in runs]
-            lines.append(f"| {column.label} | {name} | " + " | ".join(cells) + " |")
-    return lines
+    def cell(run: dict) -> str:
+        level = metric(run, f"{key}_level")
+        return "–" if level is None else f"{100 * level:.2f} ± {100 * metric(run, f'{key}_swing'):.2f}"
+    return _seed_table(results, f"Last {TREND_EVALUATIONS} evaluations ({key}, %): their mean ± sample std per "
+                       "seed, the level a run ends at and its swing; the final-round cells above are one evaluation "
+                       "each (–: too few):", cell)
 
 
 def kendall_tau(ours: dict[str, float | None], paper: dict[str, float | None]) -> str:
