@@ -3,8 +3,9 @@ last value lies from the rest of its plateau; the evidence behind docs/reproduce
 run under the folders given (each folder holding a metrics.jsonl is one run), over its evaluations in the last LAST
 rounds: the mean and (population) std of the metric (the personalized accuracy unless --metric names another), its
 least-squares trend in points per LAST rounds with the trend's standard error, at how many of those evaluations the
-drift held (pfedkit.reproduce's drift within FLAT_POINTS) and the final value; then the round the run is flat from (the first evaluated round from which
-the whole criterion, drift and trend, holds at every later evaluation), one markdown row a run.
+drift held (pfedkit.reproduce's drift within FLAT_POINTS) and the final value; then the round the run is flat from
+(the first evaluated round from which the whole criterion, drift and trend, holds at every later evaluation), one
+markdown row a run.
 
     python docs/results/pfedla/trend.py [--last 500] [--metric global_acc_weighted] FOLDER...
 """
