@@ -426,6 +426,11 @@ def record_100(table: int, method: str, seed: int) -> Path:
     return runs[0]
 
 
+def table_command(text: str) -> list[str]:
+    """The `pfedkit ...` command a table written by `pfedkit reproduce` names in its Command: line, as argv."""
+    return text.split("Command: `pfedkit ")[1].split("`;")[0].split()
+
+
 KEPT = {".pfedkit-run", "config.yaml", "summary.json", "metrics.jsonl", "failed.txt"}  # no checkpoint, no observables
 
 
@@ -443,7 +448,7 @@ def test_a_table_written_from_kept_records_is_written_again_from_them(tmp_path, 
     assert {t.parent.name for t in tables} >= {"pfedla", "pfedcs"}
     for table in tables:
         text = table.read_text()
-        command = text.split("Command: `pfedkit ")[1].split("`;")[0].split()
+        command = table_command(text)
         out = tmp_path / table.stem
         assert main([*command, "--out", str(out)]) == 0
         assert (out / f"{command[1]}.md").read_text() == text, table.name
@@ -701,7 +706,7 @@ def test_the_10_client_summaries_read_from_the_kept_records():
         final, before = ours(written), ours(earlier)
 
         def run_of(table_file: Path, method: str, seed: int) -> Path:
-            command = table_file.read_text().split("Command: `pfedkit ")[1].split("`;")[0].split()
+            command = table_command(table_file.read_text())
             found = [RECORDS.parents[3] / command[i + 1] / f"seed{seed}" / method
                      for i, arg in enumerate(command) if arg == "--runs"]
             found = [f for f in found if f.is_dir()]
