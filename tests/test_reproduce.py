@@ -801,3 +801,43 @@ def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
     assert all(e[-1]["round"] == 600 for e in ended)
     assert (f"seeds 0 and 2 end at {final[0]:.2f} and {final[1]:.2f} (levels {levels[0]:.2f} and {levels[1]:.2f}, "
             f"their meta-models' loss {loss[0]:.0f} and {loss[1]:.0f} at round 600)") in doc
+
+
+def test_the_pfedcs_2400_round_probe_reads_from_its_records():
+    """docs/reproduce.md's pFedCS Synthetic probe at 2,400 rounds: its first 1,200 rounds are the 1,200-round probe's,
+    every evaluation but the timings; each cell (the GM levels of pFedCS and FedAvg over the 100 rounds up to rounds
+    600, 1,200, 1,800 and 2,400, the least-squares trend over the last 100 rounds, the round the GM is flat from by
+    trend.py, the GM gain at 600 and 2,400, pFedCS's PM level) is read from the kept records."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**2,400 rounds: the global models level off below FedAvg's.**")
+    rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith(("| MLR", "| DNN"))]
+    assert len(rows) == 3, rows
+    records = RECORDS.parents[1] / "pfedcs" / "records"
+
+    def curve(folder: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
+        return np.array([(r["round"], 100 * r[key]) for r in run_rows(folder) if r.get(key) is not None]).T
+
+    def signed(v: float) -> str:
+        return f"{v:+.2f}".replace("-", "−")
+
+    for row in rows:
+        column, seed = re.match(r"\| (MLR|DNN), seed (\d) \|", row).groups()
+        probe = records / f"probe_2400rounds_synthetic_{column.lower()}" / f"seed{seed}"
+        levels, rises, flat = {}, {}, {}
+        for method in ("pfedcs", "fedavg"):
+            earlier = records / f"probe_1200rounds_synthetic_{column.lower()}" / f"seed{seed}" / method
+            assert [r for r in run_rows(probe / method) if r["round"] <= 1200] == run_rows(earlier), (row, method)
+            x, y = curve(probe / method, "global_acc_weighted")
+            assert x[-1] == 2400
+            levels[method] = [float(y[(x > last - 100) & (x <= last)].mean()) for last in (600, 1200, 1800, 2400)]
+            rises[method] = np.polyfit(x[-20:], y[-20:], 1)[0] * 100
+            flat[method] = trend.trend(probe / method, 100, "global_acc_weighted")["flat_from"]
+        xp, yp = curve(probe / "pfedcs", "personalized_acc_weighted")
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert cells == [" → ".join(f"{v:.2f}" for v in levels["pfedcs"]),
+                         " → ".join(f"{v:.2f}" for v in levels["fedavg"]),
+                         f"{signed(rises['pfedcs'])} / {signed(rises['fedavg'])}",
+                         f"{flat['pfedcs']:,} / {flat['fedavg']:,}",
+                         " → ".join(signed(levels["pfedcs"][i] - levels["fedavg"][i]) for i in (0, 3)),
+                         f"{yp[xp > 2300].mean():.2f}"], row
