@@ -804,36 +804,49 @@ def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
 
 
 def test_the_pfedcs_2400_round_probe_reads_from_its_records():
-    """docs/reproduce.md's pFedCS Synthetic probe at 2,400 rounds: its first 1,200 rounds are the 1,200-round probe's,
-    every evaluation but the timings; each cell (the GM levels of pFedCS and FedAvg over the 100 rounds up to rounds
+    """docs/reproduce.md's pFedCS Synthetic probe at 2,400 rounds, 3 seeds a column: its first 600 rounds are the
+    tables' runs and its first 1,200 the 1,200-round probe's (where that ran the seed), every evaluation but the
+    timings; each cell (the GM levels of pFedCS and FedAvg over the 100 rounds up to rounds
     600, 1,200, 1,800 and 2,400, the least-squares trend over the last 100 rounds, the round the GM is flat from by
     trend.py, the GM gain at 600 and 2,400, pFedCS's PM level) is read from the kept records."""
     trend = results_script("trend")
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
     start = doc.index("**2,400 rounds: the global models level off below FedAvg's.**")
     rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith(("| MLR", "| DNN"))]
-    assert len(rows) == 3, rows
     records = RECORDS.parents[1] / "pfedcs" / "records"
+    assert [re.match(r"\| (MLR|DNN), seed (\d) \|", row).groups() for row in rows] == [
+        (column, str(seed)) for column in ("MLR", "DNN") for seed in (0, 1, 2)]
 
     def curve(folder: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
         return np.array([(r["round"], 100 * r[key]) for r in run_rows(folder) if r.get(key) is not None]).T
 
+    def earlier(folder: str, seed: str, method: str, rounds: int, kept: bool = True) -> None:  # a shorter run
+        run = records / folder / f"seed{seed}" / method
+        assert run.is_dir() or not kept, run
+        if run.is_dir():
+            assert [r for r in run_rows(probe / method) if r["round"] <= rounds] == run_rows(run), (row, method)
+
     def signed(v: float) -> str:
         return f"{v:+.2f}".replace("-", "−")
 
+    gains, flat_from = {}, []
     for row in rows:
         column, seed = re.match(r"\| (MLR|DNN), seed (\d) \|", row).groups()
-        probe = records / f"probe_2400rounds_synthetic_{column.lower()}" / f"seed{seed}"
+        found = list(records.glob(f"probe_2400rounds_synthetic_{column.lower()}*/seed{seed}"))
+        assert len(found) == 1, (row, found)
+        probe = found[0]
         levels, rises, flat = {}, {}, {}
         for method in ("pfedcs", "fedavg"):
-            earlier = records / f"probe_1200rounds_synthetic_{column.lower()}" / f"seed{seed}" / method
-            assert [r for r in run_rows(probe / method) if r["round"] <= 1200] == run_rows(earlier), (row, method)
+            earlier(f"full_synthetic_{column.lower()}_3seeds", seed, method, 600)
+            earlier(f"probe_1200rounds_synthetic_{column.lower()}", seed, method, 1200, kept=False)
             x, y = curve(probe / method, "global_acc_weighted")
             assert x[-1] == 2400
             levels[method] = [float(y[(x > last - 100) & (x <= last)].mean()) for last in (600, 1200, 1800, 2400)]
             rises[method] = np.polyfit(x[-20:], y[-20:], 1)[0] * 100
             flat[method] = trend.trend(probe / method, 100, "global_acc_weighted")["flat_from"]
         xp, yp = curve(probe / "pfedcs", "personalized_acc_weighted")
+        gains.setdefault(column, []).append(levels["pfedcs"][3] - levels["fedavg"][3])
+        flat_from += list(flat.values())
         cells = [c.strip() for c in row.strip("|").split("|")][1:]
         assert cells == [" → ".join(f"{v:.2f}" for v in levels["pfedcs"]),
                          " → ".join(f"{v:.2f}" for v in levels["fedavg"]),
@@ -841,3 +854,8 @@ def test_the_pfedcs_2400_round_probe_reads_from_its_records():
                          f"{flat['pfedcs']:,} / {flat['fedavg']:,}",
                          " → ".join(signed(levels["pfedcs"][i] - levels["fedavg"][i]) for i in (0, 3)),
                          f"{yp[xp > 2300].mean():.2f}"], row
+    text = " ".join(doc[start:].split("\n\n")[2].split())  # the paragraph under the table
+    assert f"flat by the whole criterion (from rounds {min(flat_from):,}–{max(flat_from):,})" in text
+    assert max(gains["MLR"] + gains["DNN"]) < 0
+    one = {k: [f"{v:.1f}".replace("-", "−") for v in (max(g), min(g))] for k, g in gains.items()}
+    assert f"to {' to '.join(one['MLR'])} with MLR and {' to '.join(one['DNN'])} with the DNN" in text
