@@ -79,12 +79,19 @@ def test_processes_run_every_task_once_and_share_them_out():
 def test_an_exception_is_raised_here_with_its_type_and_message_and_stops_the_work(failing_worker):
     started = processes.shared_empty((200,), torch.int64)
     started.zero_()
+    failed = processes.shared_empty((1,), torch.int64)
+    failed.zero_()
 
     def task(worker: int, i: int) -> None:
         started[i] = 1
         if worker == failing_worker:
+            failed[0] = 1
             raise DataError(f"client {i} is broken")
-        time.sleep(0.001)
+        # the other worker's task lasts until the failure (at most 10 s): however late a loaded machine starts the
+        # failing worker, work is left to hand out after the failure
+        deadline = time.monotonic() + 10
+        while not int(failed[0]) and time.monotonic() < deadline:
+            time.sleep(0.001)
     with pytest.raises(DataError, match="client [0-9]+ is broken"):
         processes.in_processes(2, 200, task)
     assert no_children_left()
