@@ -613,6 +613,16 @@ def test_how_still_is_flat_reads_from_the_kept_records():
             assert f"| {shown} (" in row and f") | {held} |" in row, (method, table, row)
 
 
+def curve(folder: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """A run's evaluated rounds and a metric in percent, from its metrics.jsonl."""
+    return np.array([(r["round"], 100 * r[key]) for r in run_rows(folder) if r.get(key) is not None]).T
+
+
+def signed(v: float, digits: int = 2) -> str:
+    """A signed number as the docs print it, with a true minus sign."""
+    return f"{v:+.{digits}f}".replace("-", "−")
+
+
 def test_the_pfedcs_1200_round_probe_reads_from_its_records():
     """docs/reproduce.md's pFedCS Synthetic probe at 1,200 rounds: its first 600 rounds are the tables' runs, every
     evaluation; each cell (the GM and PM levels over rounds 501-600 and 1,101-1,200, the trend over the last 100
@@ -624,15 +634,8 @@ def test_the_pfedcs_1200_round_probe_reads_from_its_records():
     assert len(rows) == 3, rows
     records = RECORDS.parents[1] / "pfedcs" / "records"
 
-    def curve(folder: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-        return np.array([(r["round"], 100 * r[key]) for r in rows if r.get(key) is not None]).T
-
     def level(x, y, last: int) -> float:
         return float(y[(x > last - 100) & (x <= last)].mean())
-
-    def signed(v: float) -> str:
-        return f"{v:+.2f}".replace("-", "−")
 
     for row in rows:
         column, seed = re.match(r"\| (MLR|DNN), seed (\d) \|", row).groups()
@@ -817,17 +820,11 @@ def test_the_pfedcs_2400_round_probe_reads_from_its_records():
     assert [re.match(r"\| (MLR|DNN), seed (\d) \|", row).groups() for row in rows] == [
         (column, str(seed)) for column in ("MLR", "DNN") for seed in (0, 1, 2)]
 
-    def curve(folder: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
-        return np.array([(r["round"], 100 * r[key]) for r in run_rows(folder) if r.get(key) is not None]).T
-
-    def earlier(folder: str, seed: str, method: str, rounds: int, kept: bool = True) -> None:  # a shorter run
-        run = records / folder / f"seed{seed}" / method
+    def earlier(probe: Path, folder: str, method: str, rounds: int, kept: bool = True) -> None:  # a shorter run
+        run = records / folder / probe.name / method
         assert run.is_dir() or not kept, run
         if run.is_dir():
-            assert [r for r in run_rows(probe / method) if r["round"] <= rounds] == run_rows(run), (row, method)
-
-    def signed(v: float) -> str:
-        return f"{v:+.2f}".replace("-", "−")
+            assert [r for r in run_rows(probe / method) if r["round"] <= rounds] == run_rows(run), (probe, method)
 
     gains, flat_from = {}, []
     for row in rows:
@@ -837,8 +834,8 @@ def test_the_pfedcs_2400_round_probe_reads_from_its_records():
         probe = found[0]
         levels, rises, flat = {}, {}, {}
         for method in ("pfedcs", "fedavg"):
-            earlier(f"full_synthetic_{column.lower()}_3seeds", seed, method, 600)
-            earlier(f"probe_1200rounds_synthetic_{column.lower()}", seed, method, 1200, kept=False)
+            earlier(probe, f"full_synthetic_{column.lower()}_3seeds", method, 600)
+            earlier(probe, f"probe_1200rounds_synthetic_{column.lower()}", method, 1200, kept=False)
             x, y = curve(probe / method, "global_acc_weighted")
             assert x[-1] == 2400
             levels[method] = [float(y[(x > last - 100) & (x <= last)].mean()) for last in (600, 1200, 1800, 2400)]
@@ -857,5 +854,5 @@ def test_the_pfedcs_2400_round_probe_reads_from_its_records():
     text = " ".join(doc[start:].split("\n\n")[2].split())  # the paragraph under the table
     assert f"flat by the whole criterion (from rounds {min(flat_from):,}–{max(flat_from):,})" in text
     assert max(gains["MLR"] + gains["DNN"]) < 0
-    one = {k: [f"{v:.1f}".replace("-", "−") for v in (max(g), min(g))] for k, g in gains.items()}
+    one = {k: [signed(v, 1).lstrip("+") for v in (max(g), min(g))] for k, g in gains.items()}
     assert f"to {' to '.join(one['MLR'])} with MLR and {' to '.join(one['DNN'])} with the DNN" in text
