@@ -175,13 +175,18 @@ def reference_stream(n: int, b: int, steps: int, gen: torch.Generator) -> list[t
     return out[:steps]
 
 
-def test_perfedavg_hessian_free_steps_by_hand():
+# alpha from local.lr (FL-bench's and the pFedMe code's), or its own key beside another local.lr
+ALPHA_FROM = [["local.lr={}"], ["perfedavg.alpha={}", "local.lr=0.3"]]
+
+
+@pytest.mark.parametrize("alpha_from", ALPHA_FROM, ids=["local.lr", "perfedavg.alpha"])
+def test_perfedavg_hessian_free_steps_by_hand(alpha_from):
     """Two HF meta-steps: theta' = theta0 - alpha grad f(theta0; D1), g = grad f(theta'; D2),
     h = Hessian f(theta0; D3) g (here exact, by autograd's hvp: the library's finite difference converges to it),
     theta = theta0 - beta (g - alpha h). Each step takes three fresh batches of the client's stream."""
     alpha, beta = 0.05, 0.5
     cfg, data, model, algo = setup("perfedavg", "model.name=mlr", "perfedavg.variant=hf", f"perfedavg.beta={beta}",
-                                   f"local.lr={alpha}", "local.steps=2")
+                                   *(s.format(alpha) for s in alpha_from), "local.steps=2")
     cid, rnd = 6, 1
     init = model.state()
     (update,), _ = algo.client_update([{"weights": init}], [{}], cohort_of(cfg, data, model, [cid], rnd))
@@ -415,14 +420,15 @@ def test_local_on_a_batchnorm_cnn_is_plain_sgd_on_the_clients_own_model():
     assert updates[1] == {"num_samples": client.num_train, "train_loss": pytest.approx(sum(losses) / 2, rel=1e-5)}
 
 
+@pytest.mark.parametrize("alpha_from", ALPHA_FROM, ids=["local.lr", "perfedavg.alpha"])
 @pytest.mark.parametrize("epochs", [0, 1], ids=["adapt_steps", "adapt_epochs"])
 @pytest.mark.parametrize("cids", [[3], [0, 2, 3, 5]], ids=["one client", "lockstep"])
-def test_perfedavg_adaptation_is_adapt_steps_of_sgd_on_the_train_stream(cids, epochs):
-    """Before evaluation Per-FedAvg adapts the global model with `adapt_steps` plain SGD steps of alpha = local.lr on
-    batches of local.batch_size from the client's evaluation stream, seeded (seed, round, client, 0xE7A1); with
-    `adapt_epochs` = 1, one pass: ceil(n / b) steps, the last batch shorter."""
+def test_perfedavg_adaptation_is_adapt_steps_of_sgd_on_the_train_stream(cids, epochs, alpha_from):
+    """Before evaluation Per-FedAvg adapts the global model with `adapt_steps` plain SGD steps of alpha (its own
+    key, else local.lr) on batches of local.batch_size from the client's evaluation stream, seeded (seed, round,
+    client, 0xE7A1); with `adapt_epochs` = 1, one pass: ceil(n / b) steps, the last batch shorter."""
     lr, b, steps, rnd = 0.1, 15, 2, 3
-    cfg, data, model, algo = setup("perfedavg", f"local.lr={lr}", f"local.batch_size={b}",
+    cfg, data, model, algo = setup("perfedavg", *(s.format(lr) for s in alpha_from), f"local.batch_size={b}",
                                    f"perfedavg.adapt_steps={steps}", f"perfedavg.adapt_epochs={epochs}")
     w = model.state()
     train_only = data.train_only()

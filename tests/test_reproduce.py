@@ -389,11 +389,14 @@ def test_the_converged_scale_gives_every_client_the_papers_data_and_says_which_c
             # and spikes past round 300 at 10); the rest as reduced
             assert converged["pfedhn"] == {**reduced["pfedhn"], "sequential": True}
             # Per-FedAvg's beta 0.05 (the reduced runs') diverges after ~170 rounds: a smaller one, and FL-bench's
-            # epoch of fine-tuning before evaluation; the rest as reduced
+            # epoch of fine-tuning before evaluation; at 10 clients FL-bench's alpha 0.01 below the others' lr (at 0.05
+            # every beta tried diverged before round 600 in a seed of Table 1); the rest as reduced
             per, per_reduced = converged["perfedavg"], reduced["perfedavg"]
             assert per["beta"] <= 0.02 < per_reduced["beta"]
             assert (per["adapt_epochs"], per_reduced["adapt_epochs"]) == (1, 0)
-            assert {**per, "beta": per_reduced["beta"], "adapt_epochs": 0} == per_reduced
+            alpha = 0.01 if converged["partition"]["num_clients"] == 10 else 0.0  # 0: local.lr
+            assert per["alpha"] == alpha < converged["local"]["lr"] and per_reduced["alpha"] == 0.0
+            assert {**per, "alpha": 0.0, "beta": per_reduced["beta"], "adapt_epochs": 0} == per_reduced
             assert converged["rounds"] % converged["eval_every"] == 0
             assert converged["rounds"] >= 20 * converged["eval_every"]  # the flatness row's windows and trend
             clients = converged["partition"]["num_clients"]
@@ -718,9 +721,9 @@ def test_the_10_client_summaries_read_from_the_kept_records():
 
         for method, cells in rows.items():
             runs = [run_of(written, method, seed) for seed in (0, 1, 2)]
-            # the 300-round column's runs, every evaluation (but Per-FedAvg on Table 1: beta 0.01 at 600 rounds, 0.02 at
-            # 300; and pFedHN: one client after another at 600 rounds, the batched round at 300)
-            if (table, method) != (1, "perfedavg") and method != "pfedhn":
+            # the 300-round column's runs, every evaluation (but Per-FedAvg: alpha 0.01 at 600 rounds, local.lr 0.05
+            # at 300; and pFedHN: one client after another at 600 rounds, the batched round at 300)
+            if method not in ("perfedavg", "pfedhn"):
                 for seed, run in enumerate(runs):
                     first = run_rows(run_of(earlier, method, seed))
                     assert [r for r in run_rows(run) if r["round"] <= 300] == first, (table, method, seed)
@@ -804,6 +807,110 @@ def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
     assert all(e[-1]["round"] == 600 for e in ended)
     assert (f"seeds 0 and 2 end at {final[0]:.2f} and {final[1]:.2f} (levels {levels[0]:.2f} and {levels[1]:.2f}, "
             f"their meta-models' loss {loss[0]:.0f} and {loss[1]:.0f} at round 600)") in doc
+
+
+def test_perfedavg_inner_step_reads_from_its_records():
+    """docs/reproduce.md, "Per-FedAvg's inner step": FL-bench's alpha 0.01 and beta 0.001 (seed 0) and the presets'
+    alpha 0.01 with beta 0.01 (3 seeds a table) against alpha 0.05 (local.lr), each number read from the kept
+    records; `perfedavg.alpha` is alpha as local.lr was (the local.lr run equals the preset's, every evaluation)."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**Per-FedAvg's inner step.**")
+    text = " ".join(doc[start:].split("\n\n")[0].split())
+
+    def runs(folder: str, seeds=(0, 1, 2)) -> list[Path]:
+        return [RECORDS / folder / f"seed{s}" / "perfedavg" for s in seeds]
+
+    def settings(run: Path) -> tuple[float, float]:  # (alpha, beta) as the run took them
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        return cfg["perfedavg"].get("alpha", 0.0) or cfg["local"]["lr"], cfg["perfedavg"]["beta"]
+
+    def loss_at(run: Path, rnd: int) -> float:
+        return next(r["train_loss"] for r in run_rows(run) if r["round"] == rnd)
+
+    def level(run: Path) -> float:  # the mean of the last 20 evaluations
+        return statistics.mean([100 * r["personalized_acc"] for r in run_rows(run)
+                                if r.get("personalized_acc") is not None][-20:])
+
+    (flbench,) = runs("table1_fmnist10_600rounds_perfedavg_lr0.01_beta0.001", (0,))
+    assert settings(flbench) == (0.01, 0.001)
+    final = 100 * run_rows(flbench)[-1]["personalized_acc"]
+    assert run_rows(flbench)[-1]["round"] == 600
+    assert (f"({loss_at(flbench, 50):.2f} at round 50, {loss_at(flbench, 600):.2f} at round 600)" in text
+            and f"{final:.2f} at round 600 (level {level(flbench):.2f})" in text)
+    assert trend.trend(flbench, 100)["trend"] > 0.5  # still climbing
+
+    (by_lr,) = runs("table1_fmnist10_600rounds_perfedavg_lr0.01_beta0.01", (0,))
+    preset = {t: runs(f"table{t}_fmnist10_600rounds_perfedavg_alpha0.01") for t in (1, 2)}
+    assert settings(by_lr) == settings(preset[1][0]) == (0.01, 0.01)
+    assert yaml.safe_load((by_lr / "config.yaml").read_text())["local"]["lr"] == 0.01
+    assert yaml.safe_load((preset[1][0] / "config.yaml").read_text())["local"]["lr"] == 0.05
+    assert run_rows(by_lr) == run_rows(preset[1][0])
+
+    before = {1: runs("table1_fmnist10_600rounds_perfedavg_beta0.01"), 2: runs("table2_fmnist10_600rounds_perfedavg")}
+    assert [settings(r) for r in before[1] + before[2]] == [(0.05, 0.01)] * 3 + [(0.05, 0.02)] * 3
+    for t in (1, 2):
+        assert all(settings(r) == (0.01, 0.01) and (r / "summary.json").is_file() for r in preset[t])
+        now = sorted(loss_at(r, 600) for r in preset[t])
+        then = sorted(loss_at(r, 600) for r in before[t] if (r / "summary.json").is_file())
+        assert f"{now[0]:.2f}–{now[-1]:.2f} on Table {t} ({' and '.join(f'{v:.0f}' for v in then)} at α 0.05" in text \
+            or f"{now[0]:.2f}–{now[-1]:.2f} on Table {t} ({then[0]:.2f}–{then[-1]:.2f} at α 0.05" in text, t
+        finals = [100 * [r for r in run_rows(run) if r.get("personalized_acc") is not None][-1]["personalized_acc"]
+                  for run in preset[t]]
+        assert (f"{statistics.mean(finals):.2f} ± {statistics.stdev(finals):.2f} on Table {t} (level "
+                f"{statistics.mean(level(r) for r in preset[t]):.2f};") in text, t
+    rises = [trend.trend(r, 100)["trend"] for t in (1, 2) for r in preset[t]]
+    flat = [trend.trend(r, 100)["flat_from"] for t in (1, 2) for r in preset[t]]
+    assert f"trend over the last 100 rounds {signed(min(rises))} to {signed(max(rises))}" in text
+    assert f"flat by round 600 in {sum(f is not None for f in flat)} of the 6 runs" in text
+
+
+def test_the_pfedcs_3600_round_probe_reads_from_its_records():
+    """docs/reproduce.md's pFedCS Synthetic DNN probe at 3,600 rounds: its first 2,400 rounds are the 2,400-round
+    probe's, every evaluation but the timings; each cell (the GM levels over the 100 rounds up to rounds 2,400, 3,000
+    and 3,600, the least-squares trend over the last 100 rounds, flat-from by trend.py, the GM gain at 2,400 and
+    3,600, pFedCS's PM level) and the paragraph's ranges are read from the kept records."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**3,600 rounds: the DNN's climb stops short of FedAvg's.**")
+    rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("| DNN")]
+    records = RECORDS.parents[1] / "pfedcs" / "records"
+    assert [re.match(r"\| DNN, seed (\d) \|", row).group(1) for row in rows] == ["0", "1", "2"]
+    gains, rises, late, gaps = {"pfedcs": [], "fedavg": []}, [], [], []
+    for seed, row in enumerate(rows):
+        found = list(records.glob(f"probe_3600rounds_synthetic_dnn*/seed{seed}"))
+        assert len(found) == 1, (row, found)
+        probe = found[0]
+        shorter = next(records.glob(f"probe_2400rounds_synthetic_dnn*/seed{seed}"))
+        levels, rise, flat = {}, {}, {}
+        for method in ("pfedcs", "fedavg"):
+            assert [r for r in run_rows(probe / method) if r["round"] <= 2400] == run_rows(shorter / method)
+            x, y = curve(probe / method, "global_acc_weighted")
+            assert x[-1] == 3600
+            levels[method] = [float(y[(x > last - 100) & (x <= last)].mean()) for last in (2400, 3000, 3600)]
+            rise[method] = np.polyfit(x[-20:], y[-20:], 1)[0] * 100
+            t = trend.trend(probe / method, 100, "global_acc_weighted")
+            flat[method] = t["flat_from"]
+            gains[method].append(levels[method][2] - levels[method][0])
+        t = trend.trend(probe / "pfedcs", 100, "global_acc_weighted")
+        late.append(abs(t["trend"]) / t["trend_se"])
+        rises.append(rise["pfedcs"])
+        gap = [signed(levels["pfedcs"][i] - levels["fedavg"][i]) for i in (0, 2)]
+        gaps.append(" → ".join(gap))
+        xp, yp = curve(probe / "pfedcs", "personalized_acc_weighted")
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert cells == [" → ".join(f"{v:.2f}" for v in levels["pfedcs"]),
+                         " → ".join(f"{v:.2f}" for v in levels["fedavg"]),
+                         f"{signed(rise['pfedcs'])} / {signed(rise['fedavg'])}",
+                         f"{flat['pfedcs']:,} / {flat['fedavg']:,}", " → ".join(gap),
+                         f"{yp[xp > 3500].mean():.2f}"], row
+    text = " ".join(doc[start:].split("\n\n")[2].split())  # the paragraph under the table
+    pfedcs, fedavg = ([f"{f(g):.1f}" for f in (min, max)] for g in (gains["pfedcs"], gains["fedavg"]))
+    assert f"its GM gains {pfedcs[0]}–{pfedcs[1]} points over the 1,200 rounds more" in text
+    assert f"FedAvg's GM gains {fedavg[0]}–{fedavg[1]} points too" in text
+    assert max(rises) < 0 and f"is {signed(max(rises))} to {signed(min(rises))} points per 100 rounds" in text
+    assert f"(within {max(late):.1f} standard errors of zero)" in text
+    assert f"({', '.join(gaps)})" in text
 
 
 def test_the_pfedcs_2400_round_probe_reads_from_its_records():

@@ -6,10 +6,11 @@ Each local step from theta0 uses fresh mini-batches from the client's stream:
     theta' = theta0 - alpha grad f(theta0; D1),  g = grad f(theta'; D2)
     FO: theta = theta0 - beta g
     HF: h = [grad f(theta0 + delta g; D3) - grad f(theta0 - delta g; D3)] / (2 delta),  theta = theta0 - beta (g - alpha h)
-with alpha = local.lr. `local.steps` > 0 counts these meta-steps (pFedMe's code); with `local.epochs` the number of
-steps is the epochs' batches / 2 (FO) or / 3 (HF), as FL-bench does, rounded up: the batch stream cycles through
-fresh permutations (as the reference code's iterators restart), so no leftover batch is dropped and a client with
-fewer batches than one meta-step needs still takes one step.
+with alpha = `perfedavg.alpha` (0: local.lr, as FL-bench and the pFedMe code take it). `local.steps` > 0 counts
+these meta-steps (pFedMe's code); with `local.epochs` the number of steps is the epochs' batches / 2 (FO) or / 3
+(HF), as FL-bench does, rounded up: the batch stream cycles through fresh permutations (as the reference code's
+iterators restart), so no leftover batch is dropped and a client with fewer batches than one meta-step needs still
+takes one step.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from .fedavg import FedAvg
 @dataclass
 class PerFedAvgParams:
     variant: str = choices("fo", "hf", default="fo")  # first-order or Hessian-free
+    # the inner (personalization) step, also the adaptation's lr; 0: local.lr. Its own key so that a preset can
+    # give Per-FedAvg a smaller alpha than the other methods' local.lr (the meta-model's loss grows with alpha)
+    alpha: float = at_least(0.0, 0.0)
     beta: float = at_least(0.0, 0.001, open_low=True)  # outer (meta) step
     delta: float = at_least(0.0, 0.001, open_low=True)  # HF finite-difference radius
     adapt_steps: int = at_least(1, 1)  # SGD steps on train batches before evaluation (the paper: one)
@@ -40,8 +44,16 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     Params = PerFedAvgParams
     unused_local = ("momentum", "weight_decay")  # the meta-steps are plain steps of alpha and beta
-    # the meta-model's own loss grows over long runs until it overflows, the sooner the larger the meta step
-    divergence_hint = "lower perfedavg.beta (the meta step) or local.lr"
+    # the meta-model's own loss grows over long runs until it overflows, the sooner the larger alpha and beta
+    divergence_hint = "lower perfedavg.beta (the meta step) or perfedavg.alpha (the inner step)"
+
+    @classmethod
+    def unused_local_keys(cls, params: PerFedAvgParams) -> tuple[str, ...]:
+        """Also local.lr under its own alpha."""
+        return cls.unused_local + (("lr",) if params.alpha > 0 else ())
+
+    def alpha(self, hp: LocalConfig) -> float:
+        return self.params.alpha or hp.lr
 
     @property
     def batches_per_step(self) -> int:
@@ -58,7 +70,7 @@ class PerFedAvg(FedAvg):
     def plan(self, hp: LocalConfig, num_train: int = 0) -> LocalConfig:
         """The batch stream of the meta-steps, each taking `batches_per_step` batches."""
         steps = self.meta_steps(num_train, hp) * self.batches_per_step
-        return LocalConfig(epochs=0, steps=steps, batch_size=hp.batch_size, lr=hp.lr)
+        return LocalConfig(epochs=0, steps=steps, batch_size=hp.batch_size, lr=self.alpha(hp))
 
     def meta_step(self, theta: torch.Tensor, alpha: float, grad, batches: list) -> tuple[torch.Tensor, Any]:
         """One Per-FedAvg step from theta (a stack of clients' vectors); `grad(params, batch) -> (gradients,
@@ -81,7 +93,7 @@ class PerFedAvg(FedAvg):
         loss_sum = torch.zeros(len(sent), dtype=torch.float64, device=sent.device)
         for s in range(max(steps)):
             active = torch.tensor([s < n for n in steps], device=sent.device)
-            new, losses = self.meta_step(theta, cohort.hp.lr, stream.gradient, list(range(s * k, (s + 1) * k)))
+            new, losses = self.meta_step(theta, self.alpha(cohort.hp), stream.gradient, list(range(s * k, (s + 1) * k)))
             theta = torch.where(active[:, None], new, theta)  # a client whose steps are done stays put
             loss_sum += torch.where(active, losses, 0.0)
         if stream.buffers is not None:
@@ -93,7 +105,7 @@ class PerFedAvg(FedAvg):
         """`adapt_epochs` epochs, else `adapt_steps` steps, of plain SGD (lr alpha) on the client's train batches."""
         p = self.params
         return LocalConfig(epochs=p.adapt_epochs, steps=0 if p.adapt_epochs else p.adapt_steps,
-                           batch_size=hp.batch_size, lr=hp.lr)
+                           batch_size=hp.batch_size, lr=self.alpha(hp))
 
     def evaluated_models(self, payloads: list[Message], cstates: list[State], cohort: Cohort) -> list[torch.Tensor]:
         """The global model after the adaptation plan's SGD steps on each client's train batches."""

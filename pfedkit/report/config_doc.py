@@ -134,7 +134,9 @@ ALGORITHM_MEANINGS: dict[str, str] = {
                        "same results within noise; Adam only ([pfedla.md](pfedla.md), \"Memory\")",
     "fedprox.mu": "proximal coefficient μ (the FedProx paper's grid: 0.001, 0.01, 0.1, 1)",
     "perfedavg.variant": "`fo` (first-order) or `hf` (Hessian-free)",
-    "perfedavg.beta": "outer (meta) step β; the inner step α is `local.lr`",
+    "perfedavg.alpha": "inner (personalization) step α, also the evaluation's adaptation lr; 0: `local.lr` "
+                       "(FL-bench's and the pFedMe code's α)",
+    "perfedavg.beta": "outer (meta) step β",
     "perfedavg.delta": "the Hessian-free variant's finite-difference radius δ",
     "perfedavg.adapt_steps": "SGD steps from the global model on the client's *train* batches before it is "
                              "evaluated (the Per-FedAvg paper: one)",
