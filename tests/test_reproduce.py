@@ -859,6 +859,16 @@ def test_perfedavg_inner_step_reads_from_its_records():
                   for run in preset[t]]
         assert (f"{statistics.mean(finals):.2f} ± {statistics.stdev(finals):.2f} on Table {t} (level "
                 f"{statistics.mean(level(r) for r in preset[t]):.2f};") in text, t
+    faster = runs("table1_fmnist10_600rounds_perfedavg_alpha0.01_beta0.02")  # a larger meta step at alpha 0.01
+    assert all(settings(r) == (0.01, 0.02) and (r / "summary.json").is_file() for r in faster)
+    finals = [100 * [r for r in run_rows(run) if r.get("personalized_acc") is not None][-1]["personalized_acc"]
+              for run in faster]
+    losses = sorted(loss_at(r, 600) for r in faster)
+    assert (f"ends Table 1 at {statistics.mean(finals):.2f} ± {statistics.stdev(finals):.2f} (level "
+            f"{statistics.mean(level(r) for r in faster):.2f}) with its meta-model's loss at round 600 "
+            f"{losses[0]:.0f}–{losses[-1]:.0f}") in text
+    peak = max(r["train_loss"] for r in run_rows(faster[2]) if r.get("train_loss") is not None)
+    assert f"(seed 2's loss peaked at {peak:.0f})" in text
     rises = [trend.trend(r, 100)["trend"] for t in (1, 2) for r in preset[t]]
     flat = [trend.trend(r, 100)["flat_from"] for t in (1, 2) for r in preset[t]]
     assert f"trend over the last 100 rounds {signed(min(rises))} to {signed(max(rises))}" in text
