@@ -24,12 +24,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--algorithms", help="comma list of algorithms to compare, or 'all'")
     run.add_argument("--seeds", help="comma list of seeds: one run each, comparison gives mean ± std (e.g. 0,1,2)")
     run.add_argument("--out", type=Path, help="output folder (default runs/<dataset>-<time>)")
-    run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run from its checkpoint")
+    run.add_argument("--resume", type=Path, metavar="DIR", help="continue an interrupted run from its checkpoint, "
+                     "or a finished one to the rounds its DIR/config.yaml now asks for")
     run.add_argument("--overwrite", action="store_true", help="replace the pfedkit run already in --out (the files "
                      "pfedkit wrote there, checkpoint included, are deleted once the new config has been checked; a "
                      "folder holding anything else is refused)")
     run.add_argument("--allow-version-change", action="store_true", help="with --resume: continue a run that "
-                     "another pfedkit version (or an edited source) started, mixing the two versions' results")
+                     "another pfedkit version (or an edited source) started, mixing the two versions' results (a "
+                     "key added since is taken at its default, what the earlier versions did)")
     run.add_argument("--tensorboard", action="store_true", help="also log every metric to TensorBoard, in each "
                      "run's folder (tensorboard --logdir OUT; pip install -e '.[tensorboard]'; in-process runs)")
     run.add_argument("--runtime", choices=("inprocess", "flower", "loopback"), default="inprocess",

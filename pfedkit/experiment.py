@@ -14,7 +14,7 @@ import torch
 from .config import Config, dump_config, load_config
 from .data import FederatedData, build_federated
 from .engine import Observer, Run, atomic_write
-from .engine.run import JobProgress, ProgressBar
+from .engine.run import JobProgress, ProgressBar, keep_config_current
 from .runtime import batch_runs
 from .engine import folder as run_folder
 from .errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
@@ -92,7 +92,7 @@ def run_experiment(cfg: Config, out: Path, *, resume: bool = False, overwrite: b
     logger, early stopping, report.tensorboard.TensorBoard). `runtime`: how runs reach their clients (Flower's
     ServerApp gives `clients_for` and `min_replies`)."""
     out = Path(out)
-    runtime = {**(runtime or {}), "observers": list(observers)}
+    runtime = {**(runtime or {}), "observers": list(observers), "across_versions": allow_version_change}
     if not resume:
         check_out(out, overwrite, config_file)
     plan = _plan(cfg, out, resume, data, log, runtime)
@@ -111,7 +111,7 @@ def run_experiments(experiments: list[tuple[Config, Path, bool]], *, log: Callab
     for cfg, out, resume in experiments:
         if not resume:
             check_out(Path(out), False)
-    runtime = {"observers": []}
+    runtime = {"observers": [], "across_versions": allow_version_change}
     plans = [_plan(cfg, Path(out), resume, None, log, runtime) for cfg, out, resume in experiments]
     with contextlib.ExitStack() as claims:
         for plan in plans:
@@ -141,7 +141,7 @@ def _one_run(cfg: Config, data: FederatedData, out: Path, runtime: dict | None, 
     runtime = runtime or {}
     clients = runtime["clients_for"](cfg, data) if "clients_for" in runtime else None
     return Run(cfg, data, out, clients=clients, min_replies=runtime.get("min_replies", 1), log=log,
-               observers=runtime.get("observers", ()))
+               observers=runtime.get("observers", ()), across_versions=runtime.get("across_versions", False))
 
 
 @contextlib.contextmanager
@@ -186,6 +186,8 @@ class Plan:
             return Folder(self.cfg, self.out, self.resume, self.first, self.runs)
         one, seed_dir = self.cfg.with_seed(seeds[i]), self.out / f"seed{seeds[i]}"
         data = self.first if i == 0 else prepare(one)
+        if self.resume and seed_dir.is_dir():
+            keep_config_current(seed_dir, one)
         return Folder(one, seed_dir, self.resume and seed_dir.is_dir(), data,
                       self.runs if i == 0 else build_runs(one, data, seed_dir, self.runtime, self.log))
 
@@ -297,15 +299,14 @@ def _batched(cfg: Config, runs: list[Run]) -> bool:
 
 def _run_folders(folders: list[Folder], log: Callable[[str], None], stop_after: int | None) -> list[dict]:
     """Every folder's runs, side by side (`_batched`) or one after another, then each folder's comparison; runs that
-    finished (or failed) before a resume are left as they are."""
+    ended before a resume are left as they are (`Run.ended`: a finished one given more rounds goes on)."""
     todo = []  # (folder, name, run, resumes from its checkpoint)
     for f in folders:
         _open_folder(f, log)
         for name, run in zip(f.cfg.algorithms(), f.runs):
-            run_dir = f.out / name
-            if f.resume and ((run_dir / "summary.json").is_file() or (run_dir / FAILED_FILE).is_file()):
+            if f.resume and run.ended():
                 continue
-            todo.append((f, name, run, f.resume and (run_dir / "checkpoint.pt").is_file()))
+            todo.append((f, name, run, f.resume and run.ckpt_path.is_file()))
     runs = [(run, again) for _, _, run, again in todo]
     results = _side_by_side(runs, log, stop_after) if _batched(folders[0].cfg, [r for r, _ in runs]) else None
     if results is None:
@@ -396,15 +397,15 @@ def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: d
     """`pfedkit run --resume DIR`: DIR is an experiment folder or one algorithm's run folder; a run that another
     pfedkit started is continued only with `allow_version_change`."""
     path = Path(path)
-    runtime = {**(runtime or {}), "observers": list(observers)}
+    runtime = {**(runtime or {}), "observers": list(observers), "across_versions": allow_version_change}
     if not (path / "config.yaml").is_file():
         raise PfedkitError(f"cannot resume: {path / 'config.yaml'} not found (is {path} a pfedkit run folder?)")
     one_run = (path / "algorithm.json").is_file() or (path / "metrics.jsonl").is_file()
     if one_run:  # one algorithm's folder: it continues from its own checkpoint or not at all
-        if (path / "summary.json").is_file():
-            raise PfedkitError(f"cannot resume {path}: the run has finished (summary.json); start a new one with "
-                               "another --out")
-        if not (path / "checkpoint.pt").is_file():
+        if (path / FAILED_FILE).is_file():
+            raise PfedkitError(f"cannot resume {path}: the run failed ({FAILED_FILE}: "
+                               f"{(path / FAILED_FILE).read_text()[:200]}); start a new one with another --out")
+        if not (path / "checkpoint.pt").is_file() and not (path / "summary.json").is_file():
             seeds = path.parent.name.startswith("seed") and (path.parent.parent / "config.yaml").is_file()
             raise PfedkitError(f"cannot resume {path}: it holds no checkpoint.pt (the run stopped before its first "
                                f"checkpoint); resume the experiment it belongs to, `pfedkit run --resume "
@@ -413,6 +414,9 @@ def resume_experiment(path: Path, log: Callable[[str], None] = print, runtime: d
         cfg = load_config(path / "config.yaml")
         data = prepare(cfg)
         run = _one_run(cfg, data, path, runtime, log)
+        if run.ended():
+            raise PfedkitError(f"cannot resume {path}: the run has finished its {cfg.rounds} rounds (summary.json); to "
+                               "run it on, raise `rounds` in its config.yaml")
         with run_folder.locked(run_folder.root_of(path)):
             run_folder.check_version(path, allow_version_change)
             summary = run.run(resume=True)

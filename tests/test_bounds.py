@@ -23,6 +23,7 @@ import yaml
 
 from pfedkit.cli import main
 from pfedkit.config import DatasetConfig, load_config
+from pfedkit.experiment import run_experiment
 from pfedkit.data.sources import load_source
 from pfedkit.errors import DataError
 from test_bad_inputs import BOUNDED, assert_refused, metrics_row, snapshot
@@ -435,6 +436,34 @@ def test_a_checkpoint_from_before_a_config_key_blames_the_version_not_config_yam
             "default: False); resume it with the pfedkit that wrote it, or start it afresh") in lines[0]
     assert "config.yaml says" not in lines[0]
     assert files_of(out) == before
+
+
+def test_with_allow_version_change_a_key_added_since_is_taken_at_its_default_and_only_there(tmp_path, capsys):
+    """A checkpoint from before a key was added (here eval_train, default False: no training loss, as before it
+    existed) continues under --allow-version-change when the config leaves the key at its default, and its rows are
+    the uninterrupted run's; set otherwise, the key would change what the earlier run computed: still refused."""
+    from test_trust import DIGITS
+    whole = tmp_path / "whole"
+    run_experiment(load_config(None, DIGITS, "fedavg"), whole, log=lambda s: None)
+    out = interrupted_run(tmp_path)
+    ckpt = out / "fedavg" / "checkpoint.pt"
+    ck = torch.load(ckpt, weights_only=True)
+    del ck["config"]["eval_train"]
+    torch.save(ck, ckpt)
+    assert main(["run", "--resume", str(out)]) == 2
+    assert "(or continue it with --allow-version-change, which takes a key added since at its default" in \
+        capsys.readouterr().err
+    config = out / "config.yaml"
+    config.write_text(config.read_text().replace("eval_train: false", "eval_train: true"))
+    assert main(["run", "--resume", str(out), "--allow-version-change"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert ("without config key eval_train (this one's default: False; config.yaml sets True)" in line
+            and "--allow-version-change" not in line)
+    config.write_text(config.read_text().replace("eval_train: true", "eval_train: false"))
+    assert main(["run", "--resume", str(out), "--allow-version-change"]) == 0
+    rows = [[{k: v for k, v in json.loads(line).items() if k not in ("wall_s", "server_s", "eval_s")}
+             for line in (folder / "fedavg" / "metrics.jsonl").read_text().splitlines()] for folder in (out, whole)]
+    assert rows[0] == rows[1] and len(rows[0]) == 4
 
 
 def test_the_advice_for_a_run_without_a_checkpoint_resumes_it_in_its_own_folder(tmp_path, capsys):

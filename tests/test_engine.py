@@ -283,3 +283,93 @@ def test_a_resumed_run_may_change_its_runtime_section_and_reads_the_keys_of_earl
     assert (resumed.runtime.threads, resumed.runtime.workers, resumed.runtime.workers_in) == (1, 1, "threads")
     resume_experiment(tmp_path / "cut", log=lambda s: None)
     assert metric_rows(tmp_path / "cut" / "fedavg") == metric_rows(tmp_path / "full" / "fedavg")
+
+
+def _summary(run_dir):
+    return {k: v for k, v in json.loads((run_dir / "summary.json").read_text()).items()
+            if k not in TIMING_KEYS and k not in ("wall_s_total", "server_s_total")}
+
+
+def _raise_rounds(folder, old: int, new: int):
+    path = folder / "config.yaml"
+    path.write_text(path.read_text().replace(f"\nrounds: {old}\n", f"\nrounds: {new}\n"))
+
+
+def test_a_finished_run_given_more_rounds_goes_on_as_the_longer_run(tmp_path):
+    """`pfedkit run --resume DIR` after raising `rounds` in DIR/config.yaml: every run of every seed goes on from
+    the checkpoint it finished with, and its metrics, summary and pFedLA's packed aggregation weights are those of a
+    run started with the larger count. Per-FedAvg's evaluation fine-tunes (one epoch) and pFedLA's server keeps Adam
+    moments: neither may drift across the old end."""
+    from pfedkit.experiment import resume_experiment
+    algos = "fedavg,pfedla,perfedavg"
+    args = ("seeds=0,1", "clients_per_round=4", "eval_every=2", "checkpoint_every=0", "perfedavg.adapt_epochs=1")
+    run_experiment(small_cfg(*args, "rounds=10", algorithms=algos), tmp_path / "long", log=lambda s: None)
+    run_experiment(small_cfg(*args, "rounds=6", algorithms=algos), tmp_path / "short", log=lambda s: None)
+    _raise_rounds(tmp_path / "short", 6, 10)
+    # cut again at round 8: a run going on is unfinished (no summary.json) until it reaches its new end
+    run_experiment(load_config(tmp_path / "short" / "config.yaml"), tmp_path / "short", resume=True, stop_after=8,
+                   log=lambda s: None)
+    cut = tmp_path / "short" / "seed0" / "fedavg"
+    assert [r["round"] for r in metric_rows(cut)] == [2, 4, 6, 8] and not (cut / "summary.json").exists()
+    resume_experiment(tmp_path / "short", log=lambda s: None)
+    for seed in ("seed0", "seed1"):
+        assert load_config(tmp_path / "short" / seed / "config.yaml").rounds == 10
+        for name in algos.split(","):
+            a, b = tmp_path / "short" / seed / name, tmp_path / "long" / seed / name
+            assert [r["round"] for r in metric_rows(a)] == [2, 4, 6, 8, 10]
+            assert metric_rows(a) == metric_rows(b)
+            assert _summary(a) == _summary(b)
+            assert load_config(a / "config.yaml").rounds == 10
+        with np.load(tmp_path / "short" / seed / "pfedla" / "alpha.npz") as got, \
+                np.load(tmp_path / "long" / seed / "pfedla" / "alpha.npz") as want:
+            assert sorted(got.files) == sorted(want.files) == ["r00002", "r00004", "r00006", "r00008", "r00010"]
+            assert all(np.array_equal(got[k], want[k]) for k in want.files)
+    assert "10 rounds" in (tmp_path / "short" / "seed1" / "comparison.md").read_text()
+    # resumed again at 10: nothing left to do, nothing rewritten
+    before = (tmp_path / "short" / "seed0" / "fedavg" / "metrics.jsonl").stat().st_mtime_ns
+    resume_experiment(tmp_path / "short", log=lambda s: None)
+    assert (tmp_path / "short" / "seed0" / "fedavg" / "metrics.jsonl").stat().st_mtime_ns == before
+
+
+def test_a_run_that_ended_off_its_evaluation_schedule_keeps_that_evaluation_and_nothing_else_moves(tmp_path):
+    """Rounds 5 of eval_every 2: the run evaluated its last round, 5, as every run does; run on to 10 it keeps that
+    row, and every other row is the 10-round run's (evaluating draws nothing from the training's generators)."""
+    from pfedkit.experiment import resume_experiment
+    args = ("clients_per_round=4", "eval_every=2", "checkpoint_every=0", "perfedavg.adapt_epochs=1")
+    run_experiment(small_cfg(*args, "rounds=10", algorithms="perfedavg"), tmp_path / "long", log=lambda s: None)
+    run_experiment(small_cfg(*args, "rounds=5", algorithms="perfedavg"), tmp_path / "short", log=lambda s: None)
+    _raise_rounds(tmp_path / "short" / "perfedavg", 5, 10)  # one run's folder this time, with its own config.yaml
+    resume_experiment(tmp_path / "short" / "perfedavg", log=lambda s: None)
+    rows = metric_rows(tmp_path / "short" / "perfedavg")
+    assert [r["round"] for r in rows] == [2, 4, 5, 6, 8, 10]
+    assert [r for r in rows if r["round"] != 5] == metric_rows(tmp_path / "long" / "perfedavg")
+
+
+def test_a_finished_run_is_not_cut_short_nor_run_on_without_its_checkpoint_nor_retried_after_a_failure(tmp_path):
+    from pfedkit.experiment import resume_experiment
+    run_experiment(small_cfg("checkpoint_every=0", algorithms="fedavg"), tmp_path / "a", log=lambda s: None)
+    _raise_rounds(tmp_path / "a", 6, 4)
+    with pytest.raises(PfedkitError, match=r"fedavg: it finished 6 rounds and its config asks for 4; a finished run "
+                                           r"is not cut short"):
+        resume_experiment(tmp_path / "a", log=lambda s: None)
+    with pytest.raises(PfedkitError, match=r"has finished its 6 rounds \(summary.json\); to run it on, raise "):
+        resume_experiment(tmp_path / "a" / "fedavg", log=lambda s: None)
+    _raise_rounds(tmp_path / "a", 4, 8)
+    (tmp_path / "a" / "fedavg" / "checkpoint.pt").unlink()
+    with pytest.raises(PfedkitError, match=r"cannot run .*fedavg on to 8 rounds: the checkpoint.pt it finished 6 "
+                                           r"rounds with is gone"):
+        resume_experiment(tmp_path / "a", log=lambda s: None)
+    assert len(metric_rows(tmp_path / "a" / "fedavg")) == 6  # left as it was
+    (tmp_path / "a" / "fedavg" / "summary.json").write_text("{}")
+    with pytest.raises(PfedkitError, match=r"fedavg: its summary.json is damaged \(no round count\)"):
+        resume_experiment(tmp_path / "a", log=lambda s: None)
+    # a failed run stays failed however many rounds its config asks for
+    run_experiment(small_cfg(algorithms="local"), tmp_path / "b", log=lambda s: None)
+    (tmp_path / "b" / "local" / FAILED_FILE).write_text("client 3 sent non-finite weights in round 6")
+    (tmp_path / "b" / "local" / "summary.json").unlink()
+    _raise_rounds(tmp_path / "b", 6, 8)
+    with pytest.raises(UpdateError, match=r"1 run\(s\) failed, e.g. local: client 3 sent non-finite"):
+        resume_experiment(tmp_path / "b", log=lambda s: None)
+    assert len(metric_rows(tmp_path / "b" / "local")) == 6
+    with pytest.raises(PfedkitError, match="the run failed"):
+        resume_experiment(tmp_path / "b" / "local", log=lambda s: None)

@@ -76,6 +76,12 @@ def test_early_stopping_is_one_small_observer_and_ends_a_finished_run(tmp_path):
     assert (run / "checkpoint.pt").is_file()
     with pytest.raises(Exception, match="finished"):
         resume_experiment(run)
+    # given more rounds, a run that stopped early stays stopped: its stop was the observer's decision
+    config = tmp_path / "early" / "config.yaml"
+    config.write_text(config.read_text().replace("\nrounds: 6\n", "\nrounds: 9\n"))
+    assert "\nrounds: 9\n" in config.read_text()
+    resume_experiment(tmp_path / "early", log=lambda s: None)
+    assert rows_of(run) == full[:first] and json.loads((run / "summary.json").read_text())["stopped_at"] == first
 
 
 def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:

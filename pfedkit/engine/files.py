@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -96,6 +97,9 @@ def structure_mismatch(want: Any, got: Any, where: str) -> str | None:
     return None
 
 
+ROUND_FILE = re.compile(r"r\d{5,}\.npy")  # one evaluation's array in a packed log
+
+
 class ObservableLog:
     """Arrays an algorithm exposes at each evaluation (pFedLA's aggregation weights). During the run each is one
     atomically written `observables/<name>/r<round>.npy`; at the end they are packed into `<name>.npz`, keyed
@@ -112,7 +116,20 @@ class ObservableLog:
             folder.mkdir(parents=True, exist_ok=True)
             atomic_write(folder / f"r{rnd:05d}.npy", lambda fh: np.save(fh, np.asarray(array), allow_pickle=False))
 
-    def truncate(self, last_round: int) -> None:
+    def reopen(self, last_round: int) -> None:
+        """A resumed run's arrays as they were at its checkpoint: those a finished run packed back in the folder (it
+        goes on to more rounds, and `pack` writes them again with the new ones), those written after it dropped."""
+        for packed in self.out.glob("*.npz"):
+            try:
+                with zipfile.ZipFile(packed) as zf:
+                    for name in zf.namelist():
+                        kept = self.dir / packed.stem / name
+                        if ROUND_FILE.fullmatch(name) and int(name[1:-4]) <= last_round and not kept.exists():
+                            kept.parent.mkdir(parents=True, exist_ok=True)
+                            atomic_write(kept, zf.read(name))
+            except (zipfile.BadZipFile, OSError) as exc:
+                raise PfedkitError(f"cannot resume from {packed}: it is damaged ({exc}); the run would lose its "
+                                   "arrays of the rounds before its checkpoint") from None
         for f in self.dir.glob("*/r*.npy"):
             if int(f.stem[1:]) > last_round:
                 f.unlink()

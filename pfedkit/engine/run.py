@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..algorithms import build_algorithm
-from ..config import Config, dump_config, moved_keys, short_repr
+from ..config import Config, dump_config, load_config, moved_keys, short_repr
 from ..data import FederatedData
 from ..errors import FAILED_FILE, ConfigError, PfedkitError, UpdateError
 from ..models import FlatModel, build_model
@@ -64,6 +64,18 @@ class Observer:
     def finish(self, run: "Run", summary: dict) -> None: ...
 
 
+def keep_config_current(folder: Path, cfg: Config) -> None:
+    """A resumed folder's config.yaml says what it continues with: written again where it differs (a finished run
+    given more rounds), left as it is where it does not (a user's edit keeps its comments)."""
+    path = folder / "config.yaml"
+    try:
+        same = load_config(path).to_dict() == cfg.to_dict()
+    except (ConfigError, OSError):
+        same = False
+    if not same:
+        atomic_write(path, dump_config(cfg).encode())
+
+
 class RunFiles(Observer):
     """config.yaml, partition.json, algorithm.json of a fresh run; the stale failure record of a folder removed."""
 
@@ -71,6 +83,7 @@ class RunFiles(Observer):
 
     def start(self, run, resumed):
         if resumed:
+            keep_config_current(run.out, run.cfg)  # a finished run given more rounds says so
             return
         (run.out / FAILED_FILE).unlink(missing_ok=True)
         mark(run.out)
@@ -108,7 +121,7 @@ class Observables(Observer):
 
     def start(self, run, resumed):
         if resumed:
-            run.observed.truncate(run.totals["round"])
+            run.observed.reopen(run.totals["round"])
         else:
             run.observed.clear()
 
@@ -175,8 +188,9 @@ class Run:
     """One algorithm on one federated dataset, writing its run folder."""
 
     def __init__(self, cfg: Config, data: FederatedData, out: Path, clients: Any = None, min_replies: int = 1,
-                 log: Callable[[str], None] = print, observers: list[Observer] = ()):
+                 log: Callable[[str], None] = print, observers: list[Observer] = (), across_versions: bool = False):
         self.cfg, self.data, self.out = cfg, data, Path(out)
+        self.across_versions = across_versions  # --allow-version-change: a checkpoint may lack keys added since
         self.device = data.device
         module = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(self.device)
         self.model = FlatModel(module)
@@ -255,15 +269,26 @@ class Run:
                                f"pfedkit version); {again}")
         mine, theirs = flatten_config(self.cfg.to_dict()), flatten_config(moved_keys(ck["config"])) if isinstance(
             ck["config"], dict) else {}
-        changed = [k for k in sorted(set(mine) | set(theirs)) if not resumable(k) and mine.get(k) != theirs.get(k)]
+        # a key added since takes as its default what the earlier versions did (perfedavg.alpha 0: local.lr), so a
+        # checkpoint without it continues at that default, where the user allowed the version change
+        defaults = flatten_config(load_config(None, [], self.algo.name).to_dict())
+        added = {k for k in set(mine) - set(theirs) if k in defaults and mine[k] == defaults[k]}
+        changed = [k for k in sorted(set(mine) | set(theirs)) if not resumable(k) and mine.get(k) != theirs.get(k)
+                   and not (self.across_versions and k in added)]
         if changed:
             k = changed[0]
             more = f" (and {len(changed) - 1} more keys differ)" if len(changed) > 1 else ""
             if k not in theirs or k not in mine:  # another pfedkit's keys: no edit of config.yaml can restore them
-                had = f"without config key {k} (this one's default: {short_repr(mine[k])})" if k in mine else \
-                    f"with config key {short_repr(k)}={short_repr(theirs[k])}, which this pfedkit does not have"
+                if k in mine:
+                    default = defaults.get(k, mine[k])
+                    sets = "" if mine[k] == default else f"; config.yaml sets {short_repr(mine[k])}"
+                    had = f"without config key {k} (this one's default: {short_repr(default)}{sets})"
+                else:
+                    had = f"with config key {short_repr(k)}={short_repr(theirs[k])}, which this pfedkit does not have"
+                allow = (" (or continue it with --allow-version-change, which takes a key added since at its default, "
+                         "what the earlier versions did)" if k in added else "")
                 raise PfedkitError(f"cannot resume from {path}: it was written by a pfedkit {had}{more}; resume it "
-                                   f"with the pfedkit that wrote it, or {again}")
+                                   f"with the pfedkit that wrote it, or {again}{allow}")
             raise PfedkitError(f"cannot resume from {path}: it was written with {k}={short_repr(theirs.get(k))} but "
                                f"{self.out / 'config.yaml'} says {short_repr(mine.get(k))}{more}; restore the config or "
                                f"{again}")
@@ -282,6 +307,35 @@ class Run:
                 and 0 <= totals["round"] <= self.cfg.rounds):
             raise PfedkitError(f"cannot resume from {path}: its metrics or round counter are damaged; {again}")
         return ck
+
+    def ended(self) -> bool:
+        """Whether a resume leaves this run as it is: it failed (`--resume` does not retry it), stopped on an
+        observer's request, or finished at `cfg.rounds`. A finished run whose config now asks for more rounds has
+        not ended: it goes on from the checkpoint it finished with, as a run started with those rounds would (the
+        generators are keyed by round, so the rounds it adds are those rounds' of the longer run)."""
+        if (self.out / FAILED_FILE).is_file():
+            return True
+        path = self.out / "summary.json"
+        if not path.is_file():
+            return False
+        try:
+            done = json.loads(path.read_text())
+        except (OSError, ValueError):
+            done = None
+        rounds = done.get("rounds") if isinstance(done, dict) else None
+        if not isinstance(rounds, int) or rounds < 0:
+            raise PfedkitError(f"cannot resume {self.out}: its summary.json is damaged (no round count); delete it to "
+                               "run the run on from its checkpoint")
+        if done.get("stop_reason") is not None or rounds == self.cfg.rounds:
+            return True
+        if rounds > self.cfg.rounds:
+            raise PfedkitError(f"cannot resume {self.out}: it finished {rounds} rounds and its config asks for "
+                               f"{self.cfg.rounds}; a finished run is not cut short (its metrics.jsonl holds every "
+                               f"evaluation to round {rounds})")
+        if not self.ckpt_path.is_file():
+            raise PfedkitError(f"cannot run {self.out} on to {self.cfg.rounds} rounds: the checkpoint.pt it finished "
+                               f"{rounds} rounds with is gone; start it afresh with `--set rounds={self.cfg.rounds}`")
+        return False
 
     def save_checkpoint(self) -> None:
         checkpoint = {"server": self.server.state, "clients": self.clients.state(),
@@ -303,6 +357,7 @@ class Run:
             if not self.ckpt_path.is_file():
                 raise PfedkitError(f"cannot resume: {self.ckpt_path} does not exist")
             self._resume()
+            (self.out / "summary.json").unlink(missing_ok=True)  # a finished run going on: written at its new end
         else:
             self._fresh()
         cfg = self.cfg

@@ -307,7 +307,9 @@ def render() -> str:
     from ..config import MOVED_KEYS
     moved = ", ".join(f"`{old}` as `{new}`" for old, new in MOVED_KEYS.items())
     lines = [HEADER, f"A resumed run (`pfedkit run --resume DIR`) may change these keys in `DIR/config.yaml`, no "
-             f"others: {resumable}.", "", "The `runtime` section says how the clients run, never what they compute. "
+             f"others: {resumable}. A finished run whose `rounds` is raised goes on from the checkpoint it finished "
+             "with to the new count, as a run started with it would (tests/test_engine.py); `rounds` is never lowered "
+             "below the rounds a run finished.", "", "The `runtime` section says how the clients run, never what they compute. "
              f"Keys of earlier versions are still read (in files and `--set`) under their present names: {moved}.",
              "", "## Keys", "", *_table(_builtin_rows()), "", ALGORITHMS_INTRO]
     for name, params in sections.items():
