@@ -873,6 +873,20 @@ def test_perfedavg_inner_step_reads_from_its_records():
     flat = [trend.trend(r, 100)["flat_from"] for t in (1, 2) for r in preset[t]]
     assert f"trend over the last 100 rounds {signed(min(rises))} to {signed(max(rises))}" in text
     assert f"flat by round 600 in {sum(f is not None for f in flat)} of the 6 runs" in text
+    # Table 2 at beta 0.02: the loss does not grow there, so its preset takes it (Table 1's keeps 0.01)
+    wider = runs("table2_fmnist10_600rounds_perfedavg_alpha0.01_beta0.02")
+    assert all(settings(r) == (0.01, 0.02) and (r / "summary.json").is_file() for r in wider)
+    finals = [accuracies(run)[-1] for run in wider]
+    losses = sorted(loss_at(r, 600) for r in wider)
+    peak = max(r["train_loss"] for run in wider for r in run_rows(run) if r.get("train_loss") is not None)
+    gain = statistics.mean(level(r) for r in wider) - statistics.mean(level(r) for r in preset[2])
+    assert (f"ends at {statistics.mean(finals):.2f} ± {statistics.stdev(finals):.2f} (level "
+            f"{statistics.mean(level(r) for r in wider):.2f}, {gain:.2f} points above β 0.01's) with its meta-model's "
+            f"loss at round 600 {losses[0]:.2f}–{losses[-1]:.2f} (at most {peak:.2f} over the run)") in text
+    presets = Path(__file__).resolve().parents[1] / "pfedkit" / "configs" / "pfedla"
+    betas = [yaml.safe_load((presets / f"table{t}_fmnist_10clients_converged.yaml").read_text())["perfedavg"]["beta"]
+             for t in (1, 2)]
+    assert betas == [0.01, 0.02]
 
 
 def test_the_pfedcs_3600_round_probe_reads_from_its_records():
@@ -973,3 +987,108 @@ def test_the_pfedcs_2400_round_probe_reads_from_its_records():
     assert max(gains["MLR"] + gains["DNN"]) < 0
     one = {k: [signed(v, 1).lstrip("+") for v in (max(g), min(g))] for k, g in gains.items()}
     assert f"to {' to '.join(one['MLR'])} with MLR and {' to '.join(one['DNN'])} with the DNN" in text
+
+
+def test_the_1000_round_runs_read_from_their_records():
+    """docs/reproduce.md, '1,000 rounds': every run of the two 10-client FMNIST tables not flat at round 600 (by
+    trend.py over the table's own records) ran on to 1,000, as a finished run given more rounds continues; each run's
+    first 600 rounds are its 600-round record's, every evaluation but the timings (FedAvg's and FedFomo's, run afresh,
+    too), and each cell (round 600, the levels over the 20 evaluations up to rounds 600 and 1,000, round 1,000, the
+    least-squares trend over the last 100 rounds, flat from by trend.py, the lowest evaluation past round 600, the
+    clients' training loss at 600 and 1,000) is read from the kept records."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**1,000 rounds: the 10-client runs not flat at round 600.**")
+    rows = [line for line in doc[start:].split("\n\n")[1].splitlines()
+            if line.startswith("| ") and not line.startswith("| run |")]
+    methods = {"Per-FedAvg": "perfedavg", "pFedHN": "pfedhn", "pFedMe": "pfedme", "FedAvg": "fedavg",
+               "FedFomo": "fedfomo"}
+    shown = set()
+    for row in rows:
+        name, table, seed = re.match(r"\| ([\w-]+), Table (\d), seed (\d) \|", row).groups()
+        method = methods[name]
+        shown.add((method, int(table), int(seed)))
+        run = RECORDS / f"table{table}_fmnist10_1000rounds_{method}" / f"seed{seed}" / method
+        column = RECORDS.parent / f"converged_table{table}_fmnist10_3seeds.md"
+        command = table_command(column.read_text())
+        shorter = [RECORDS.parents[3] / command[i + 1] / f"seed{seed}" / method
+                   for i, arg in enumerate(command) if arg == "--runs"]
+        (shorter,) = [f for f in shorter if f.is_dir()]
+        assert [r for r in run_rows(run) if r["round"] <= 600] == run_rows(shorter), row
+        assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 1000
+        x, y = curve(run, "personalized_acc")
+        assert x[-1] == 1000
+        levels = [y[(x > end - 100) & (x <= end)].mean() for end in (600, 1000)]
+        rise = np.polyfit(x[-20:], y[-20:], 1)[0] * 100  # points per 100 rounds
+        t = trend.trend(run, 100)
+        loss = {r["round"]: r["train_loss"] for r in run_rows(run)}
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert cells == [f"{y[x == 600][0]:.2f}", f"{levels[0]:.2f} → {levels[1]:.2f}", f"{y[-1]:.2f}",
+                         f"{signed(rise)} ± {t['trend_se']:.2f}", "–" if t["flat_from"] is None else f"{t['flat_from']:,}",
+                         f"{y[x > 600].min():.2f}", f"{loss[600]:.3g} → {loss[1000]:.3g}"], row
+    # the paragraph under the table, each number from the records
+    text = " ".join(doc[start:].split("\n\n")[2].split())
+
+    def of(method: str, table: int) -> list[Path]:
+        return sorted((RECORDS / f"table{table}_fmnist10_1000rounds_{method}").glob(f"seed*/{method}"))
+
+    def level(run: Path, end: int) -> float:
+        x, y = curve(run, "personalized_acc")
+        return float(y[(x > end - 100) & (x <= end)].mean())
+
+    def span(values, digits: int = 1) -> str:
+        return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
+
+    def lowest(run: Path) -> float:
+        x, y = curve(run, "personalized_acc")
+        return float(y[x > 600].min())
+
+    def loss_at(run: Path, rnd: int) -> float:
+        return next(r["train_loss"] for r in run_rows(run) if r["round"] == rnd)
+
+    def flat(method: str, table: int) -> list:
+        return [trend.trend(run, 100)["flat_from"] for run in of(method, table)]
+
+    for table in (1, 2):
+        runs = of("perfedavg", table)
+        gains = [level(r, 1000) - level(r, 600) for r in runs]
+        means = [statistics.mean(level(r, end) for r in runs) for end in (600, 1000)]
+        assert f"{span(gains)}{' points' if table == 1 else ''} on Table {table} ({'mean ' if table == 1 else ''}" \
+               f"{means[0]:.2f} → {means[1]:.2f})" in text, table
+        assert None not in flat("perfedavg", table)
+        assert f"{min(flat('perfedavg', table)):,}–{max(flat('perfedavg', table)):,} on Table {table}" in text
+    growth = ", ".join(f"{loss_at(r, 600):.3g} → {loss_at(r, 1000):.3g}" for r in of("perfedavg", 1))
+    assert f"goes on growing on Table 1 ({growth}) and not on Table 2 " \
+           f"({span([loss_at(r, 1000) for r in of('perfedavg', 2)], 2)} at round 1,000)" in text
+    below = [level(r, 600) - lowest(r) for t in (1, 2) for r in of("pfedhn", t)]
+    assert (f"is {' / '.join(f'{lowest(r):.1f}' for r in of('pfedhn', 1))} on Table 1 and "
+            f"{' / '.join(f'{lowest(r):.1f}' for r in of('pfedhn', 2))} on Table 2, {span(below)} points below") in text
+    hn = [[statistics.mean(level(r, end) for r in of("pfedhn", t)) for end in (600, 1000)] for t in (1, 2)]
+    assert (f"its level at 1,000 is {hn[0][1]:.2f} on Table 1 and {hn[1][1]:.2f} on Table 2 (at 600: {hn[0][0]:.2f} and "
+            f"{hn[1][0]:.2f}); it is flat at round 1,000 in "
+            f"{sum(f is not None for t in (1, 2) for f in flat('pfedhn', t))} of the 6 runs") in text
+    falls = [level(r, 600) - level(r, 1000) for r in of("pfedhn", 2)]
+    falling = [trend.trend(r, 100) for r in of("pfedhn", 2)]
+    assert (f"on Table 2 its level falls by {span(falls, 2)} points, two of them ending in a dip (trend over the last "
+            f"100 rounds {' and '.join(signed(t['trend']) for t in falling if t['flat_from'] is None)})") in text
+    (me1,), (me2,) = of("pfedme", 1), of("pfedme", 2)
+    climbing = trend.trend(me2, 100)
+    assert climbing["flat_from"] is None and (
+        f"pFedMe's two runs gain {level(me1, 1000) - level(me1, 600):.2f} and {level(me2, 1000) - level(me2, 600):.2f} "
+        f"points, Table 1's flat from round {trend.trend(me1, 100)['flat_from']}, Table 2's still climbing (trend "
+        f"{signed(climbing['trend'])} ± {climbing['trend_se']:.2f})") in text
+    (fedavg,), (fedfomo,) = of("fedavg", 1), of("fedfomo", 2)
+    t = trend.trend(fedavg, 100)
+    assert t["flat_from"] is None and (
+        f"swings about a level {level(fedavg, 1000) - level(fedavg, 600):.2f} points higher ({level(fedavg, 1000):.2f}), "
+        f"not flat by the criterion (trend {signed(t['trend'])} ± {t['trend_se']:.2f})") in text
+    assert (f"is flat from round {trend.trend(fedfomo, 100)['flat_from']} at the level it had ({level(fedfomo, 600):.2f} "
+            f"→ {level(fedfomo, 1000):.2f})") in text
+    for table in (1, 2):  # every run the table's records leave not flat at round 600 is among them
+        command = table_command((RECORDS.parent / f"converged_table{table}_fmnist10_3seeds.md").read_text())
+        folders = [RECORDS.parents[3] / command[i + 1] for i, arg in enumerate(command) if arg == "--runs"]
+        for folder in folders:
+            for metrics in folder.glob("seed*/*/metrics.jsonl"):
+                if (metrics.parent / "summary.json").is_file() and trend.trend(metrics.parent, 100)["flat_from"] is None:
+                    key = (metrics.parent.name, table, int(metrics.parent.parent.name[4:]))
+                    assert key in shown, key
