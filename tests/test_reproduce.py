@@ -1071,6 +1071,20 @@ def test_the_1000_round_runs_read_from_their_records():
     falling = [trend.trend(r, 100) for r in of("pfedhn", 2)]
     assert (f"on Table 2 its level falls by {span(falls, 2)} points, two of them ending in a dip (trend over the last "
             f"100 rounds {' and '.join(signed(t['trend']) for t in falling if t['flat_from'] is None)})") in text
+    # a third of the official hypernetwork step (Table 1), run on the same way from its 600-round runs
+    small = sorted((RECORDS / "table1_fmnist10_hn_lr0.003_1000rounds_pfedhn").glob("seed*/pfedhn"))
+    assert len(small) == 3
+    for run in small:
+        assert yaml.safe_load((run / "config.yaml").read_text())["pfedhn"]["hn_lr"] == 0.003
+        shorter = RECORDS / "table1_fmnist10_600rounds_pfedhn_hn_lr0.003" / run.parent.name / "pfedhn"
+        assert [r for r in run_rows(run) if r["round"] <= 600] == run_rows(shorter)
+        assert run_rows(run)[-1]["round"] == 1000
+    below = [level(r, 600) - lowest(r) for r in small]
+    levels = [statistics.mean(level(r, end) for r in small) for end in (600, 1000)]
+    assert (f"its lowest evaluation after round 600 is {' / '.join(f'{lowest(r):.1f}' for r in small)}, "
+            f"{span(below)} points below its level at round 600, its level at 1,000 {levels[1]:.2f} (at 600: "
+            f"{levels[0]:.2f}), flat at round 1,000 in {sum(trend.trend(r, 100)['flat_from'] is not None for r in small)} "
+            f"of the 3 runs") in text
     (me1,), (me2,) = of("pfedme", 1), of("pfedme", 2)
     climbing = trend.trend(me2, 100)
     assert climbing["flat_from"] is None and (
