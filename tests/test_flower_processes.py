@@ -101,6 +101,13 @@ def start(tmp_path):
         run.kill_all()
 
 
+def niceness(pid: int) -> int | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except ProcessLookupError:  # gone since it was listed
+        return None
+
+
 def only_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1, text
@@ -136,6 +143,10 @@ def test_a_signal_stops_a_flower_simulation_run_and_ray_with_its_checkpoint_inta
     checkpoint = run.out / "fedavg" / "checkpoint.pt"
     run.wait_for("first checkpoint", checkpoint.is_file)
     assert len(run.processes()) > 2  # the run, Ray's daemons and its ClientApp actors
+    # its ClientApp actors at the run's own niceness, not Ray's 15 for its workers, at which any other work on the
+    # machine starved them
+    actors = [pid for pid, cmd in run.processes().items() if cmd.startswith("ray::")]
+    assert actors and {niceness(pid) for pid in actors} <= {niceness(run.process.pid), None}, run.processes()
     (os.killpg if to_group else os.kill)(run.process.pid, sig)
     assert run.exit_code() == code, run.stderr()
     assert only_line(run.stderr()) == interrupted_line(run.out)

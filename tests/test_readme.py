@@ -18,7 +18,7 @@ from pfedkit.registry import ALGORITHMS
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 INSTALL = "pip install torch==2.13.0 && pip install -e . && pfedkit run"
-TESTS = "pip install torch==2.13.0 && pip install -e '.[test,flower]' && python -m pytest -q --durations=15"
+TESTS = "pip install torch==2.13.0 && pip install -e '.[test,flower]' && python -m pytest -q -n auto --dist loadgroup --durations=15"
 
 
 def section(title: str) -> str:

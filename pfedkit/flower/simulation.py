@@ -27,6 +27,10 @@ def run_simulation(cfg: Config | None, out: Path, *, resume: bool = False, overw
     require_flower()
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # Ray runs its workers at niceness 15, so that they yield to the driver; here they are the run (every client's
+    # training), and beside any other work on the machine they were starved: a 28-second test run took 6 minutes
+    # beside four training processes, and its SuperNodes did not register within 300 s beside six
+    os.environ.setdefault("RAY_worker_niceness", "0")
     from flwr.simulation import run_simulation as flower_simulation
 
     from ..config import load_config
