@@ -1126,6 +1126,27 @@ def test_the_1000_round_runs_read_from_their_records():
             f"{span(below)} points below its level at round 600, its level at 1,000 {levels[1]:.2f} (at 600: "
             f"{levels[0]:.2f}), flat at round 1,000 in {sum(trend.trend(r, 100)['flat_from'] is not None for r in small)} "
             f"of the 3 runs") in text
+    # and Table 2's, run from the start to 1,000 rounds (no 600-round record to continue)
+    small = sorted((RECORDS / "table2_fmnist10_hn_lr0.003_1000rounds_pfedhn").glob("seed*/pfedhn"))
+    assert [r.parent.name for r in small] == ["seed0", "seed1", "seed2"]
+    for run in small:
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        assert (config["pfedhn"]["hn_lr"], config["rounds"], config["pfedhn"]["sequential"]) == (0.003, 1000, True)
+        assert config["seed"] == int(run.parent.name[4:]) and run_rows(run)[-1]["round"] == 1000
+    below = [level(r, 600) - lowest(r) for r in small]
+    levels = [statistics.mean(level(r, end) for r in small) for end in (600, 1000)]
+    starts = [trend.trend(r, 100)["flat_from"] for r in small]
+    assert None not in starts and (
+        f"its lowest evaluation after round 600 is {' / '.join(f'{lowest(r):.1f}' for r in small)}, {span(below)} points "
+        f"below its level at round 600, its level at 1,000 {levels[1]:.2f} (at 600: {levels[0]:.2f}), flat at round "
+        f"1,000 in 3 of the 3 runs (from rounds {min(starts):,}–{max(starts):,}), where the official step falls from "
+        f"{hn[1][0]:.2f} to {hn[1][1]:.2f}") in text
+    # the presets keep the official step: at round 600 it is level with the smaller one or above it
+    first = statistics.mean(level(r, 600) for r in (RECORDS / "table1_fmnist10_hn_lr0.003_1000rounds_pfedhn").glob(
+        "seed*/pfedhn"))
+    assert hn[0][0] >= first - 0.5 and hn[1][0] >= levels[0] - 0.5
+    assert (f"({hn[0][0]:.2f} against {first:.2f} on Table 1, {hn[1][0]:.2f} against {levels[0]:.2f} on Table 2)"
+            in text)
     (me1,), (me2,) = of("pfedme", 1), of("pfedme", 2)
     climbing = trend.trend(me2, 100)
     assert climbing["flat_from"] is None and (
