@@ -423,7 +423,7 @@ def results_script(name: str):
 def record_100(table: int, method: str, seed: int) -> Path:
     """The kept 100-client run of a method, table and seed that the tables read (not the superseded variants)."""
     runs = [p.parent for p in RECORDS.glob(f"table{table}_fmnist100_seed{seed}_*/seed{seed}/{method}/metrics.jsonl")
-            if not p.parts[-4].endswith(("_batched", "_beta0.005", "_alpha0.05"))]
+            if not p.parts[-4].endswith(("_batched", "_beta0.005", "_alpha0.05", "_3000rounds"))]
     assert len(runs) == 1, (table, method, seed, runs)
     return runs[0]
 
@@ -837,6 +837,42 @@ def test_perfedavg_at_100_clients_with_alpha_001_reads_from_its_records():
         else:
             assert flat == [2000, None, None] and "flat by the criterion only at round 2,000 in seed 0" in part
     assert f"lifts Per-FedAvg by {gains[1]:.0f} points on Table 1 and {gains[2]:.0f} on Table 2" in text
+
+
+def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records():
+    """docs/reproduce.md, 'Per-FedAvg at 100 clients to 3,000 rounds': Table 1's three runs at alpha 0.01 ran on from
+    their round-2,000 checkpoints; their first 2,000 rounds are the runs the table reads, every evaluation, and each
+    number (the level, the mean of the 20 evaluations up to round 2,000 and 3,000; the last evaluation; the trend over
+    the last 500 rounds with the round flat from, by trend.py; the meta-model's loss at 2,000 and 3,000) is read from
+    the kept records."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**Per-FedAvg at 100 clients to 3,000 rounds (Table 1).**")
+    text = " ".join(doc[start:doc.index("\n\n", start)].split())
+    runs = [RECORDS / f"table1_fmnist100_seed{s}_perfedavg_alpha0.01_3000rounds" / f"seed{s}" / "perfedavg"
+            for s in (0, 1, 2)]
+    for seed, run in enumerate(runs):
+        assert [r for r in run_rows(run) if r["round"] <= 2000] == run_rows(record_100(1, "perfedavg", seed))
+        assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 3000
+        assert json.loads((run / "summary.json").read_text())["round"] == 3000
+    curves = [curve(run, "personalized_acc") for run in runs]
+    levels = [[float(y[(x > end - 500) & (x <= end)].mean()) for x, y in curves] for end in (2000, 3000)]
+    assert (f"{' / '.join(f'{v:.2f}' for v in levels[0])} at round 2,000 and "
+            f"{' / '.join(f'{v:.2f}' for v in levels[1])} at 3,000 (mean {statistics.mean(levels[0]):.2f} → "
+            f"{statistics.mean(levels[1]):.2f})") in text
+    assert f"its last evaluation {' / '.join(f'{y[-1]:.2f}' for x, y in curves)} %" in text
+    found = [trend.trend(run) for run in runs]
+    assert (f"trend over the last 500 rounds {' / '.join(signed(t['trend']) for t in found)} "
+            f"(± {min(t['trend_se'] for t in found):.2f}–{max(t['trend_se'] for t in found):.2f})") in text
+    assert all(t["flat_from"] is None for t in found) and "not flat by the criterion in any seed" in text
+    loss = [{r["round"]: r["train_loss"] for r in run_rows(run)} for run in runs]
+    assert f"loss {' / '.join(f'{l[2000]:.3g} → {l[3000]:.3g}' for l in loss)}" in text
+    final = statistics.mean(y[-1] for x, y in curves)
+    fedavg = statistics.mean(100 * json.loads((record_100(1, "fedavg", s) / "summary.json").read_text())[
+        "personalized_acc"] for s in (0, 1, 2))
+    assert (f"lift Per-FedAvg by {statistics.mean(levels[1]) - statistics.mean(levels[0]):.1f} points, its last "
+            f"evaluations' mean ({final:.2f}) still {fedavg - final:.1f} below FedAvg's cell ({fedavg:.2f})") in text
+    assert round(loss[1][3000] / loss[1][2000]) == 9 and "seed 1's loss grows ninefold" in text
 
 
 def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
