@@ -620,6 +620,16 @@ def curve(folder: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.array([(r["round"], 100 * r[key]) for r in run_rows(folder) if r.get(key) is not None]).T
 
 
+def level(run: Path, end: int, rounds: int = 100) -> float:
+    """A run's level at a round: the mean personalized accuracy % of its evaluations in the `rounds` rounds up to it."""
+    x, y = curve(run, "personalized_acc")
+    return float(y[(x > end - rounds) & (x <= end)].mean())
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
 def signed(v: float, digits: int = 2) -> str:
     """A signed number as the docs print it, with a true minus sign."""
     return f"{v:+.{digits}f}".replace("-", "−")
@@ -796,9 +806,6 @@ def test_perfedavg_at_100_clients_with_alpha_001_reads_from_its_records():
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
     start = doc.index("**Per-FedAvg at 100 clients with the inner step α 0.01.**")
     text = " ".join(doc[start:doc.index("\n\n", start)].split())
-
-    def summary(run: Path) -> dict:
-        return json.loads((run / "summary.json").read_text())
     gains = {}
     for table, clause in ((1, "On Table 1, at its β 0.0025"), (2, "On Table 2, at its β 0.02")):
         part = text[text.index(clause):] if table == 2 else text[text.index(clause):text.index("On Table 2")]
@@ -854,9 +861,9 @@ def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records():
     for seed, run in enumerate(runs):
         assert [r for r in run_rows(run) if r["round"] <= 2000] == run_rows(record_100(1, "perfedavg", seed))
         assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 3000
-        assert json.loads((run / "summary.json").read_text())["round"] == 3000
+        assert summary(run)["round"] == 3000
     curves = [curve(run, "personalized_acc") for run in runs]
-    levels = [[float(y[(x > end - 500) & (x <= end)].mean()) for x, y in curves] for end in (2000, 3000)]
+    levels = [[level(run, end, 500) for run in runs] for end in (2000, 3000)]  # 20 evaluations, one every 25
     assert (f"{' / '.join(f'{v:.2f}' for v in levels[0])} at round 2,000 and "
             f"{' / '.join(f'{v:.2f}' for v in levels[1])} at 3,000 (mean {statistics.mean(levels[0]):.2f} → "
             f"{statistics.mean(levels[1]):.2f})") in text
@@ -868,8 +875,7 @@ def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records():
     loss = [{r["round"]: r["train_loss"] for r in run_rows(run)} for run in runs]
     assert f"loss {' / '.join(f'{l[2000]:.3g} → {l[3000]:.3g}' for l in loss)}" in text
     final = statistics.mean(y[-1] for x, y in curves)
-    fedavg = statistics.mean(100 * json.loads((record_100(1, "fedavg", s) / "summary.json").read_text())[
-        "personalized_acc"] for s in (0, 1, 2))
+    fedavg = statistics.mean(100 * summary(record_100(1, "fedavg", s))["personalized_acc"] for s in (0, 1, 2))
     assert (f"lift Per-FedAvg by {statistics.mean(levels[1]) - statistics.mean(levels[0]):.1f} points, its last "
             f"evaluations' mean ({final:.2f}) still {fedavg - final:.1f} below FedAvg's cell ({fedavg:.2f})") in text
     assert round(loss[1][3000] / loss[1][2000]) == 9 and "seed 1's loss grows ninefold" in text
@@ -1106,7 +1112,7 @@ def test_the_1000_round_runs_read_from_their_records():
         assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 1000
         x, y = curve(run, "personalized_acc")
         assert x[-1] == 1000
-        levels = [y[(x > end - 100) & (x <= end)].mean() for end in (600, 1000)]
+        levels = [level(run, end) for end in (600, 1000)]
         rise = np.polyfit(x[-20:], y[-20:], 1)[0] * 100  # points per 100 rounds
         t = trend.trend(run, 100)
         loss = {r["round"]: r["train_loss"] for r in run_rows(run)}
@@ -1119,10 +1125,6 @@ def test_the_1000_round_runs_read_from_their_records():
 
     def of(method: str, table: int) -> list[Path]:
         return sorted((RECORDS / f"table{table}_fmnist10_1000rounds_{method}").glob(f"seed*/{method}"))
-
-    def level(run: Path, end: int) -> float:
-        x, y = curve(run, "personalized_acc")
-        return float(y[(x > end - 100) & (x <= end)].mean())
 
     def span(values, digits: int = 1) -> str:
         return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
