@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 from pfedkit.cli import main
@@ -204,7 +205,6 @@ def test_a_run_is_flat_when_its_last_five_evaluations_hold_the_level_of_the_five
     span), and "flat" only when both are within 0.5 points in every seed; too short a run says –, a diverged seed
     makes it "no", a pending one says over how many seeds it holds. Beside it, the level each seed ends at: the
     mean ± sample std of its last 20 evaluations."""
-    import pytest
     from pfedkit.reproduce import TARGETS, accuracy_table, columns_of, drift, trend
     assert drift([0.1 * i for i in range(12)]) == pytest.approx(0.5)  # (7+...+11)/5 - (2+...+6)/5
     assert drift([0.8] * 9) is None
@@ -846,20 +846,21 @@ def test_perfedavg_at_100_clients_with_alpha_001_reads_from_its_records():
     assert f"lifts Per-FedAvg by {gains[1]:.0f} points on Table 1 and {gains[2]:.0f} on Table 2" in text
 
 
-def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records():
-    """docs/reproduce.md, 'Per-FedAvg at 100 clients to 3,000 rounds': Table 1's three runs at alpha 0.01 ran on from
-    their round-2,000 checkpoints; their first 2,000 rounds are the runs the table reads, every evaluation, and each
-    number (the level, the mean of the 20 evaluations up to round 2,000 and 3,000; the last evaluation; the trend over
-    the last 500 rounds with the round flat from, by trend.py; the meta-model's loss at 2,000 and 3,000) is read from
-    the kept records."""
+@pytest.mark.parametrize("table", [1, 2])
+def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records(table):
+    """docs/reproduce.md, 'Per-FedAvg at 100 clients to 3,000 rounds': each table's three runs at alpha 0.01 ran on
+    from their round-2,000 checkpoints; their first 2,000 rounds are the runs the table reads, every evaluation, and
+    each number (the level, the mean of the 20 evaluations up to round 2,000 and 3,000; the last evaluation; the
+    trend over the last 500 rounds with the round flat from, by trend.py; the meta-model's loss at 2,000 and 3,000)
+    is read from the kept records."""
     trend = results_script("trend")
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
-    start = doc.index("**Per-FedAvg at 100 clients to 3,000 rounds (Table 1).**")
+    start = doc.index(f"**Per-FedAvg at 100 clients to 3,000 rounds (Table {table}).**")
     text = " ".join(doc[start:doc.index("\n\n", start)].split())
-    runs = [RECORDS / f"table1_fmnist100_seed{s}_perfedavg_alpha0.01_3000rounds" / f"seed{s}" / "perfedavg"
+    runs = [RECORDS / f"table{table}_fmnist100_seed{s}_perfedavg_alpha0.01_3000rounds" / f"seed{s}" / "perfedavg"
             for s in (0, 1, 2)]
     for seed, run in enumerate(runs):
-        assert [r for r in run_rows(run) if r["round"] <= 2000] == run_rows(record_100(1, "perfedavg", seed))
+        assert [r for r in run_rows(run) if r["round"] <= 2000] == run_rows(record_100(table, "perfedavg", seed))
         assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 3000
         assert summary(run)["round"] == 3000
     curves = [curve(run, "personalized_acc") for run in runs]
@@ -871,14 +872,24 @@ def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records():
     found = [trend.trend(run) for run in runs]
     assert (f"trend over the last 500 rounds {' / '.join(signed(t['trend']) for t in found)} "
             f"(± {min(t['trend_se'] for t in found):.2f}–{max(t['trend_se'] for t in found):.2f})") in text
-    assert all(t["flat_from"] is None for t in found) and "not flat by the criterion in any seed" in text
     loss = [{r["round"]: r["train_loss"] for r in run_rows(run)} for run in runs]
     assert f"loss {' / '.join(f'{l[2000]:.3g} → {l[3000]:.3g}' for l in loss)}" in text
+    gain = statistics.mean(levels[1]) - statistics.mean(levels[0])
     final = statistics.mean(y[-1] for x, y in curves)
-    fedavg = statistics.mean(100 * summary(record_100(1, "fedavg", s))["personalized_acc"] for s in (0, 1, 2))
-    assert (f"lift Per-FedAvg by {statistics.mean(levels[1]) - statistics.mean(levels[0]):.1f} points, its last "
-            f"evaluations' mean ({final:.2f}) still {fedavg - final:.1f} below FedAvg's cell ({fedavg:.2f})") in text
-    assert round(loss[1][3000] / loss[1][2000]) == 9 and "seed 1's loss grows ninefold" in text
+    if table == 1:
+        assert all(t["flat_from"] is None for t in found) and "not flat by the criterion in any seed" in text
+        fedavg = statistics.mean(100 * summary(record_100(1, "fedavg", s))["personalized_acc"] for s in (0, 1, 2))
+        assert (f"lift Per-FedAvg by {gain:.1f} points, its last evaluations' mean ({final:.2f}) still "
+                f"{fedavg - final:.1f} below FedAvg's cell ({fedavg:.2f})") in text
+        assert round(loss[1][3000] / loss[1][2000]) == 9 and "seed 1's loss grows ninefold" in text
+    else:
+        flat = [t["flat_from"] for t in found]
+        assert None not in flat
+        assert f"flat by the criterion in every seed from round {' / '.join(f'{r:,}' for r in flat)}" in text
+        pfedhn = statistics.mean(100 * summary(record_100(2, "pfedhn", s))["personalized_acc"] for s in (0, 1, 2))
+        assert (f"lift Per-FedAvg by {gain:.1f} points and settle it: its last evaluations' mean ({final:.2f}) is "
+                f"{final - pfedhn:.1f} above pFedHN's cell ({pfedhn:.2f}), the top of Table 2") in text
+        assert round(loss[1][3000] / loss[1][2000]) == 6 and "seed 1's sixfold" in text
 
 
 def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
