@@ -892,6 +892,43 @@ def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records(table):
         assert round(loss[1][3000] / loss[1][2000]) == 6 and "seed 1's sixfold" in text
 
 
+def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
+    """docs/reproduce.md, 'The others not flat at round 2,000, to 3,000 rounds': one seed of pFedMe and FedFomo
+    (Table 2) and FedAvg (Table 1) ran again with 3,000 rounds; their first 2,000 rounds are the runs the tables read,
+    every evaluation, and each row (the level over the 20 evaluations up to round 2,000 and 3,000, the evaluation at
+    those rounds, the trend over the last 500 rounds by trend.py and the round flat from) is read from the records."""
+    trend = results_script("trend")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**The others not flat at round 2,000, to 3,000 rounds.**")
+    rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("| Table")]
+    expected = [(2, "pfedme", "pFedMe"), (2, "fedfomo", "FedFomo"), (1, "fedavg", "FedAvg")]
+    assert len(rows) == len(expected)
+    for row, (table, method, name) in zip(rows, expected):
+        run = RECORDS / f"table{table}_fmnist100_seed0_{method}_3000rounds" / "seed0" / method
+        assert [r for r in run_rows(run) if r["round"] <= 2000] == run_rows(record_100(table, method, 0))
+        assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 3000
+        x, y = curve(run, "personalized_acc")
+        before, found = trend.trend(record_100(table, method, 0)), trend.trend(run)
+        flat = f"{found['flat_from']:,}" if found["flat_from"] else "–"
+        assert row == (f"| Table {table}, {name} | {signed(before['trend'])} → {signed(found['trend'])} ± "
+                       f"{found['trend_se']:.2f} | {level(run, 2000, 500):.2f} → {level(run, 3000, 500):.2f} | "
+                       f"{y[x == 2000][0]:.2f} → {y[-1]:.2f} | {flat} |"), row
+    text = " ".join(doc[start:].split("\n\n")[2].split())
+    t2 = {m: RECORDS / f"table2_fmnist100_seed0_{m}_3000rounds" / "seed0" / m for m in ("pfedme", "fedfomo")}
+    gain = {m: level(run, 3000, 500) - level(run, 2000, 500) for m, run in t2.items()}
+    x, y = curve(t2["fedfomo"], "personalized_acc")
+    assert (f"pFedMe gains {gain['pfedme']:.1f} points and levels off (flat by the criterion at round 2,975), still "
+            f"below pFedHN's seed 0 (level {level(record_100(2, 'pfedhn', 0), 2000, 500):.2f} at round 2,000)") in text
+    assert level(t2["pfedme"], 3000, 500) < level(record_100(2, "pfedhn", 0), 2000, 500)
+    assert (f"FedFomo gains {gain['fedfomo']:.1f} in level and still swings ({y[x > 2000].min():.2f}–"
+            f"{y[x > 2000].max():.2f} after round 2,000, not flat): its level at 3,000 passes pFedLA's seed 0 "
+            f"({level(record_100(2, 'pfedla', 0), 2000, 500):.2f}, flat at 2,000) and meets HeurpFedLA's "
+            f"({level(record_100(2, 'heurpfedla', 0), 2000, 500):.2f})") in text
+    cells = sorted(statistics.mean(100 * summary(record_100(2, m, s))["personalized_acc"] for s in (0, 1, 2))
+                   for m in ("fedfomo", "pfedla", "heurpfedla"))
+    assert f"those three, within {cells[2] - cells[0]:.2f} points of one another" in text
+
+
 def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
     """docs/reproduce.md, 'Per-FedAvg over long runs': beta 0.005 at 10 clients diverges in seed 1 (the round its
     failed.txt names, the meta-model's last logged loss), and seeds 0 and 2 end where the records say (final and
