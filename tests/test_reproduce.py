@@ -917,7 +917,9 @@ def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     t2 = {m: RECORDS / f"table2_fmnist100_seed0_{m}_3000rounds" / "seed0" / m for m in ("pfedme", "fedfomo")}
     gain = {m: level(run, 3000, 500) - level(run, 2000, 500) for m, run in t2.items()}
     x, y = curve(t2["fedfomo"], "personalized_acc")
-    assert (f"pFedMe gains {gain['pfedme']:.1f} points and levels off (flat by the criterion at round 2,975), still "
+    assert trend.trend(t2["fedfomo"])["flat_from"] is None and trend.trend(record_100(2, "pfedla", 0))["flat_from"]
+    assert (f"pFedMe gains {gain['pfedme']:.1f} points and levels off (flat by the criterion at round "
+            f"{trend.trend(t2['pfedme'])['flat_from']:,}), still "
             f"below pFedHN's seed 0 (level {level(record_100(2, 'pfedhn', 0), 2000, 500):.2f} at round 2,000)") in text
     assert level(t2["pfedme"], 3000, 500) < level(record_100(2, "pfedhn", 0), 2000, 500)
     assert (f"FedFomo gains {gain['fedfomo']:.1f} in level and still swings ({y[x > 2000].min():.2f}–"
