@@ -11,13 +11,22 @@ def pytest_configure(config):
     # started process, which then takes Ctrl-C as any terminal's would.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    config.addinivalue_line("markers", "xdist_group(name): the tests pytest-xdist runs in one worker, in order")
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist (or without -n) it is never called
+def pytest_xdist_make_scheduler(config, log):
     # With `-n auto --dist loadgroup` (the README's command) each test file runs whole in one worker, so a file's
-    # module fixtures (a built wheel, runs computed once) are made once; the Flower files share one worker, so that
-    # no two deployments or Ray clusters start at once and a SuperNode's reply timeout is not shared with another.
-    for item in items:
-        name = item.path.stem
-        item.add_marker(pytest.mark.xdist_group("flower" if name.startswith("test_flower") else name))
+    # module fixtures (a built wheel, runs computed once) are made once and never twice at once; the Flower files share
+    # one worker, so that no two deployments or Ray clusters start at once and a SuperNode's reply timeout is not
+    # shared with another. The groups are this scheduler's scopes, not xdist_group marks: on pytest 9 xdist (3.8)
+    # can no longer write a mark's group into the node id, and loadgroup then spread a file's tests over the workers.
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "flower" if file.rsplit("/", 1)[-1].startswith("test_flower") else file
+
+    return ByFile(config, log)
