@@ -630,6 +630,12 @@ def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
+def runs_on(run: Path, shorter: Path, rounds: int) -> bool:
+    """A run asked for `rounds` rounds whose first rounds are the shorter run's, every row (timings aside)."""
+    first = [r for r in run_rows(run) if r["round"] <= run_rows(shorter)[-1]["round"]]
+    return first == run_rows(shorter) and yaml.safe_load((run / "config.yaml").read_text())["rounds"] == rounds
+
+
 def signed(v: float, digits: int = 2) -> str:
     """A signed number as the docs print it, with a true minus sign."""
     return f"{v:+.{digits}f}".replace("-", "−")
@@ -860,8 +866,7 @@ def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records(table):
     runs = [RECORDS / f"table{table}_fmnist100_seed{s}_perfedavg_alpha0.01_3000rounds" / f"seed{s}" / "perfedavg"
             for s in (0, 1, 2)]
     for seed, run in enumerate(runs):
-        assert [r for r in run_rows(run) if r["round"] <= 2000] == run_rows(record_100(table, "perfedavg", seed))
-        assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 3000
+        assert runs_on(run, record_100(table, "perfedavg", seed), 3000)
         assert summary(run)["round"] == 3000
     curves = [curve(run, "personalized_acc") for run in runs]
     levels = [[level(run, end, 500) for run in runs] for end in (2000, 3000)]  # 20 evaluations, one every 25
@@ -905,8 +910,7 @@ def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     assert len(rows) == len(expected)
     for row, (table, method, name) in zip(rows, expected):
         run = RECORDS / f"table{table}_fmnist100_seed0_{method}_3000rounds" / "seed0" / method
-        assert [r for r in run_rows(run) if r["round"] <= 2000] == run_rows(record_100(table, method, 0))
-        assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 3000
+        assert runs_on(run, record_100(table, method, 0), 3000)
         x, y = curve(run, "personalized_acc")
         before, found = trend.trend(record_100(table, method, 0)), trend.trend(run)
         flat = f"{found['flat_from']:,}" if found["flat_from"] else "–"
@@ -1158,8 +1162,7 @@ def test_the_1000_round_runs_read_from_their_records():
         shorter = [RECORDS.parents[3] / command[i + 1] / f"seed{seed}" / method
                    for i, arg in enumerate(command) if arg == "--runs"]
         (shorter,) = [f for f in shorter if f.is_dir()]
-        assert [r for r in run_rows(run) if r["round"] <= 600] == run_rows(shorter), row
-        assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 1000
+        assert runs_on(run, shorter, 1000), row
         x, y = curve(run, "personalized_acc")
         assert x[-1] == 1000
         levels = [level(run, end) for end in (600, 1000)]
