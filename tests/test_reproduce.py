@@ -899,14 +899,15 @@ def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records(table):
 
 def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     """docs/reproduce.md, 'The others not flat at round 2,000, to 3,000 rounds': one seed of pFedMe and FedFomo
-    (Table 2) and FedAvg (Table 1) ran again with 3,000 rounds; their first 2,000 rounds are the runs the tables read,
+    (Table 2), FedAvg (Table 1) and pFedHN (both) ran again with 3,000 rounds; their first 2,000 rounds are the runs the tables read,
     every evaluation, and each row (the level over the 20 evaluations up to round 2,000 and 3,000, the evaluation at
     those rounds, the trend over the last 500 rounds by trend.py and the round flat from) is read from the records."""
     trend = results_script("trend")
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
     start = doc.index("**The others not flat at round 2,000, to 3,000 rounds.**")
     rows = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("| Table")]
-    expected = [(2, "pfedme", "pFedMe"), (2, "fedfomo", "FedFomo"), (1, "fedavg", "FedAvg")]
+    expected = [(2, "pfedme", "pFedMe"), (2, "fedfomo", "FedFomo"), (2, "pfedhn", "pFedHN"), (1, "fedavg", "FedAvg"),
+                (1, "pfedhn", "pFedHN")]
     assert len(rows) == len(expected)
     for row, (table, method, name) in zip(rows, expected):
         run = RECORDS / f"table{table}_fmnist100_seed0_{method}_3000rounds" / "seed0" / method
@@ -933,6 +934,30 @@ def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     cells = sorted(statistics.mean(100 * summary(record_100(2, m, s))["personalized_acc"] for s in (0, 1, 2))
                    for m in ("fedfomo", "pfedla", "heurpfedla"))
     assert f"those three, within {cells[2] - cells[0]:.2f} points of one another" in text
+    # pFedHN: flat on Table 2 by 3,000, between Per-FedAvg's and pFedMe's 3,000-round runs; on Table 1 still swinging,
+    # between FedRep's and pFedMe's seed 0 (both flat at 2,000)
+    hn = {t: RECORDS / f"table{t}_fmnist100_seed0_pfedhn_3000rounds" / "seed0" / "pfedhn" for t in (1, 2)}
+    pfa = RECORDS / "table2_fmnist100_seed0_perfedavg_alpha0.01_3000rounds" / "seed0" / "perfedavg"
+    x, y = curve(hn[1], "personalized_acc")
+    last_drift = statistics.mean(y[-5:]) - statistics.mean(y[-10:-5])  # the criterion's drift: 5 evaluations each
+    assert trend.trend(hn[1])["flat_from"] is None and abs(last_drift) > 0.5
+    assert all(trend.trend(record_100(1, m, 0))["flat_from"] for m in ("fedrep", "pfedme"))
+    assert level(pfa, 3000, 500) > level(hn[2], 3000, 500) > level(t2["pfedme"], 3000, 500)
+    assert level(record_100(1, "fedrep", 0), 2000, 500) > level(hn[1], 3000, 500) > level(
+        record_100(1, "pfedme", 0), 2000, 500)
+    assert (f"pFedHN, which on Table 2 swung about its level rather than climbing, flattens there by round "
+            f"{trend.trend(hn[2])['flat_from']:,}, {level(hn[2], 3000, 500) - level(hn[2], 2000, 500):.2f} points above "
+            f"its level at 2,000, below Per-FedAvg's seed 0 run on to 3,000 (level {level(pfa, 3000, 500):.2f}) and "
+            f"above pFedMe's ({level(t2['pfedme'], 3000, 500):.2f}): at 3,000 rounds Table 2's top three read "
+            f"Per-FedAvg, pFedHN, pFedMe (seed 0)") in text
+    assert (f"On Table 1 pFedHN gains {level(hn[1], 3000, 500) - level(hn[1], 2000, 500):.2f} in level and still "
+            f"swings ({y[x > 2000].min():.2f}–{y[x > 2000].max():.2f} after round 2,000; the drift of its last "
+            f"evaluation, {signed(last_drift)}, keeps it off the criterion), below FedRep's seed 0 (level "
+            f"{level(record_100(1, 'fedrep', 0), 2000, 500):.2f}, flat at 2,000) and above pFedMe's "
+            f"({level(record_100(1, 'pfedme', 0), 2000, 500):.2f}): its place in Table 1 stands") in text
+    whole = " ".join(doc.split())
+    assert (f"its seed 0 level {level(pfa, 3000, 500) - level(hn[2], 3000, 500):.2f} above pFedHN's seed 0 run on as "
+            "well") in whole
 
 
 def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
