@@ -960,6 +960,40 @@ def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
             "well") in whole
 
 
+def test_the_runs_on_script_draws_both_figures_the_docs_name(tmp_path, capsys):
+    """rounds1000.py, the script behind docs/reproduce.md's 1,000- and 3,000-round figures: run as the docs say, it
+    prints the 1,000-round table's rows as the docs have them (each cell of which the test above reads from the
+    records) and, at --at 2000 --to 3000 --last 500, a row a 3,000-round record whose round-2,000 and -3,000
+    evaluations and levels are the records' own; each figure a PNG, one panel per method and table."""
+    rounds = results_script("rounds1000")
+    doc = (RECORDS.parents[2] / "reproduce.md").read_text()
+    start = doc.index("**1,000 rounds: the 10-client runs not flat at round 600.**")
+    documented = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("|")]
+    assert rounds.main(["--figure", str(tmp_path / "a.png"), *map(str, sorted(RECORDS.glob(
+        "table*_fmnist10_1000rounds_*")))]) == 0
+    assert capsys.readouterr().out.splitlines() == documented
+    assert "--figure OUT.png docs/results/pfedla/records/table*_fmnist10_1000rounds_*" in " ".join(doc.split())
+    assert "--at 2000 --to 3000 --last 500 --figure OUT.png docs/results/pfedla/records/table*_fmnist100_seed*_3000rounds" \
+        in " ".join(doc.split())
+    folders = sorted(RECORDS.glob("table*_fmnist100_seed*_3000rounds"))
+    assert rounds.main(["--at", "2000", "--to", "3000", "--last", "500", "--figure", str(tmp_path / "b.png"),
+                        *map(str, folders)]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    runs = sorted(m.parent for folder in folders for m in folder.rglob("metrics.jsonl"))
+    assert len(rows) == len(runs) == 11
+    trend = results_script("trend")
+    for row, run in zip(rows, runs):
+        x, y = curve(run, "personalized_acc")
+        found = trend.trend(run, 500)
+        loss = {r["round"]: r["train_loss"] for r in run_rows(run) if r["round"] in (2000, 3000)}
+        assert row[1:] == [f"{y[x == 2000][0]:.2f}", f"{level(run, 2000, 500):.2f} → {level(run, 3000, 500):.2f}",
+                           f"{y[x == 3000][0]:.2f}", f"{signed(found['trend'])} ± {found['trend_se']:.2f}",
+                           f"{found['flat_from']:,}" if found["flat_from"] else "–", f"{y[x > 2000].min():.2f}",
+                           f"{loss[2000]:.3g} → {loss[3000]:.3g} |"], (run, row)
+    for png in ("a.png", "b.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_table1_perfedavg_at_beta_0005_reads_from_its_records():
     """docs/reproduce.md, 'Per-FedAvg over long runs': beta 0.005 at 10 clients diverges in seed 1 (the round its
     failed.txt names, the meta-model's last logged loss), and seeds 0 and 2 end where the records say (final and
