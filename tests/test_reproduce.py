@@ -899,9 +899,10 @@ def test_perfedavg_at_100_clients_to_3000_rounds_reads_from_its_records(table):
 
 def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     """docs/reproduce.md, 'The others not flat at round 2,000, to 3,000 rounds': one seed of pFedMe and FedFomo
-    (Table 2), FedAvg (Table 1) and pFedHN (both) ran again with 3,000 rounds; their first 2,000 rounds are the runs the tables read,
-    every evaluation, and each row (the level over the 20 evaluations up to round 2,000 and 3,000, the evaluation at
-    those rounds, the trend over the last 500 rounds by trend.py and the round flat from) is read from the records."""
+    (Table 2), FedAvg (Table 1) and pFedHN (both) ran again with 3,000 rounds; their first 2,000 rounds are the runs
+    the tables read, every evaluation, and each row (the level over the 20 evaluations up to round 2,000 and 3,000,
+    the evaluation at those rounds, the trend over the last 500 rounds by trend.py and the round flat from) and each
+    number of the paragraph after it is read from the records."""
     trend = results_script("trend")
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
     start = doc.index("**The others not flat at round 2,000, to 3,000 rounds.**")
@@ -972,9 +973,10 @@ def test_the_runs_on_script_draws_both_figures_the_docs_name(tmp_path, capsys):
     assert rounds.main(["--figure", str(tmp_path / "a.png"), *map(str, sorted(RECORDS.glob(
         "table*_fmnist10_1000rounds_*")))]) == 0
     assert capsys.readouterr().out.splitlines() == documented
-    assert "--figure OUT.png docs/results/pfedla/records/table*_fmnist10_1000rounds_*" in " ".join(doc.split())
-    assert "--at 2000 --to 3000 --last 500 --figure OUT.png docs/results/pfedla/records/table*_fmnist100_seed*_3000rounds" \
-        in " ".join(doc.split())
+    commands = " ".join(doc.split())
+    assert "rounds1000.py --figure OUT.png docs/results/pfedla/records/table*_fmnist10_1000rounds_*" in commands
+    assert ("rounds1000.py --at 2000 --to 3000 --last 500 --figure OUT.png "
+            "docs/results/pfedla/records/table*_fmnist100_seed*_3000rounds") in commands
     folders = sorted(RECORDS.glob("table*_fmnist100_seed*_3000rounds"))
     assert rounds.main(["--at", "2000", "--to", "3000", "--last", "500", "--figure", str(tmp_path / "b.png"),
                         *map(str, folders)]) == 0

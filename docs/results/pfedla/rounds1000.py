@@ -50,7 +50,8 @@ def signed(v: float) -> str:
 def row(run: Path, at: int = 600, to: int = 1000, last: int = 100) -> str:
     x, y, loss = curve(run)
     t = trend(run, last)
-    level = [y[(x > end - last) & (x <= end)].mean() for end in (at, to)]  # 20 evaluations a level: they are LAST / 20 rounds apart
+    # a level: the 20 evaluations up to the round, LAST / 20 rounds apart
+    level = [y[(x > end - last) & (x <= end)].mean() for end in (at, to)]
     flat = "–" if t["flat_from"] is None else f"{t['flat_from']:,}"
     return (f"| {label(run)} | {y[x == at][0]:.2f} | {level[0]:.2f} → {level[1]:.2f} | {y[x == to][0]:.2f} | "
             f"{signed(t['trend'])} ± {t['trend_se']:.2f} | {flat} | {y[x > at].min():.2f} | "
