@@ -946,9 +946,10 @@ def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     assert level(pfa, 3000, 500) > level(hn[2], 3000, 500) > level(t2["pfedme"], 3000, 500)
     assert level(record_100(1, "fedrep", 0), 2000, 500) > level(hn[1], 3000, 500) > level(
         record_100(1, "pfedme", 0), 2000, 500)
+    gain_hn = level(hn[2], 3000, 500) - level(hn[2], 2000, 500)
     assert (f"pFedHN, which on Table 2 swung about its level rather than climbing, flattens there by round "
-            f"{trend.trend(hn[2])['flat_from']:,}, {level(hn[2], 3000, 500) - level(hn[2], 2000, 500):.2f} points above "
-            f"its level at 2,000, below Per-FedAvg's seed 0 run on to 3,000 (level {level(pfa, 3000, 500):.2f}) and "
+            f"{trend.trend(hn[2])['flat_from']:,}, {gain_hn:.2f} points above its level at 2,000, below Per-FedAvg's "
+            f"seed 0 run on to 3,000 (level {level(pfa, 3000, 500):.2f}) and "
             f"above pFedMe's ({level(t2['pfedme'], 3000, 500):.2f}): at 3,000 rounds Table 2's top three read "
             f"Per-FedAvg, pFedHN, pFedMe (seed 0)") in text
     assert (f"On Table 1 pFedHN gains {level(hn[1], 3000, 500) - level(hn[1], 2000, 500):.2f} in level and still "
