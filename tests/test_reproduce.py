@@ -943,9 +943,9 @@ def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     last_drift = statistics.mean(y[-5:]) - statistics.mean(y[-10:-5])  # the criterion's drift: 5 evaluations each
     assert trend.trend(hn[1])["flat_from"] is None and abs(last_drift) > 0.5
     assert all(trend.trend(record_100(1, m, 0))["flat_from"] for m in ("fedrep", "pfedme"))
+    table1 = {m: level(record_100(1, m, 0), 2000, 500) for m in ("fedrep", "pfedme")}  # seed 0, flat at 2,000
     assert level(pfa, 3000, 500) > level(hn[2], 3000, 500) > level(t2["pfedme"], 3000, 500)
-    assert level(record_100(1, "fedrep", 0), 2000, 500) > level(hn[1], 3000, 500) > level(
-        record_100(1, "pfedme", 0), 2000, 500)
+    assert table1["fedrep"] > level(hn[1], 3000, 500) > table1["pfedme"]
     gain_hn = level(hn[2], 3000, 500) - level(hn[2], 2000, 500)
     assert (f"pFedHN, which on Table 2 swung about its level rather than climbing, flattens there by round "
             f"{trend.trend(hn[2])['flat_from']:,}, {gain_hn:.2f} points above its level at 2,000, below Per-FedAvg's "
@@ -955,19 +955,19 @@ def test_the_other_100_client_runs_to_3000_rounds_read_from_their_records():
     assert (f"On Table 1 pFedHN gains {level(hn[1], 3000, 500) - level(hn[1], 2000, 500):.2f} in level and still "
             f"swings ({y[x > 2000].min():.2f}–{y[x > 2000].max():.2f} after round 2,000; the drift of its last "
             f"evaluation, {signed(last_drift)}, keeps it off the criterion), below FedRep's seed 0 (level "
-            f"{level(record_100(1, 'fedrep', 0), 2000, 500):.2f}, flat at 2,000) and above pFedMe's "
-            f"({level(record_100(1, 'pfedme', 0), 2000, 500):.2f}): its place in Table 1 stands") in text
+            f"{table1['fedrep']:.2f}, flat at 2,000) and above pFedMe's ({table1['pfedme']:.2f}): its place in Table 1 "
+            "stands") in text
     whole = " ".join(doc.split())
     assert (f"its seed 0 level {level(pfa, 3000, 500) - level(hn[2], 3000, 500):.2f} above pFedHN's seed 0 run on as "
             "well") in whole
 
 
 def test_the_runs_on_script_draws_both_figures_the_docs_name(tmp_path, capsys):
-    """rounds1000.py, the script behind docs/reproduce.md's 1,000- and 3,000-round figures: run as the docs say, it
+    """run_on.py, the script behind docs/reproduce.md's 1,000- and 3,000-round figures: run as the docs say, it
     prints the 1,000-round table's rows as the docs have them (each cell of which the test above reads from the
     records) and, at --at 2000 --to 3000 --last 500, a row a 3,000-round record whose round-2,000 and -3,000
     evaluations and levels are the records' own; each figure a PNG, one panel per method and table."""
-    rounds = results_script("rounds1000")
+    rounds = results_script("run_on")
     doc = (RECORDS.parents[2] / "reproduce.md").read_text()
     start = doc.index("**1,000 rounds: the 10-client runs not flat at round 600.**")
     documented = [line for line in doc[start:].split("\n\n")[1].splitlines() if line.startswith("|")]
@@ -975,8 +975,8 @@ def test_the_runs_on_script_draws_both_figures_the_docs_name(tmp_path, capsys):
         "table*_fmnist10_1000rounds_*")))]) == 0
     assert capsys.readouterr().out.splitlines() == documented
     commands = " ".join(doc.split())
-    assert "rounds1000.py --figure OUT.png docs/results/pfedla/records/table*_fmnist10_1000rounds_*" in commands
-    assert ("rounds1000.py --at 2000 --to 3000 --last 500 --figure OUT.png "
+    assert "run_on.py --figure OUT.png docs/results/pfedla/records/table*_fmnist10_1000rounds_*" in commands
+    assert ("run_on.py --at 2000 --to 3000 --last 500 --figure OUT.png "
             "docs/results/pfedla/records/table*_fmnist100_seed*_3000rounds") in commands
     folders = sorted(RECORDS.glob("table*_fmnist100_seed*_3000rounds"))
     assert rounds.main(["--at", "2000", "--to", "3000", "--last", "500", "--figure", str(tmp_path / "b.png"),

@@ -5,7 +5,7 @@ evaluations up to rounds AT and TO, round TO, the least-squares trend over the l
 error, the round it is flat from, the lowest evaluation after round AT, the clients' training loss at AT and TO), and
 with --figure a figure of every run's personalized accuracy over its rounds, one panel per method and table.
 
-    python docs/results/pfedla/rounds1000.py [--at 600 --to 1000 --last 100] [--figure OUT.png] RECORDS_FOLDER...
+    python docs/results/pfedla/run_on.py [--at 600 --to 1000 --last 100] [--figure OUT.png] RECORDS_FOLDER...
 """
 from __future__ import annotations
 
